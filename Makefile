@@ -1,0 +1,35 @@
+# `make test` and `make perf` do all set-up: where torch + cutlass + tvm_ffi already import
+# (the GPU machine), nothing is installed; elsewhere a local .venv gets the pinned CPU stack.
+SHELL := /bin/bash
+HAVE_STACK := $(shell python3 -c "import torch, cutlass, tvm_ffi, pytest" >/dev/null 2>&1 && echo yes)
+ifeq ($(HAVE_STACK),yes)
+PY := python3
+ENV_DEP :=
+else
+PY := .venv/bin/python
+ENV_DEP := .venv/.installed
+endif
+
+.PHONY: test perf compile lint clean
+
+.venv/.installed: requirements-test.txt
+	python3 -m venv .venv
+	.venv/bin/python -m pip install --quiet --upgrade pip
+	.venv/bin/python -m pip install --quiet -r requirements-test.txt
+	touch $@
+
+test: $(ENV_DEP)
+	$(PY) -m pytest -q -rs tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; rc=0; fi; exit $$rc
+
+perf: $(ENV_DEP)
+	$(PY) -m perf.run
+
+compile: $(ENV_DEP)
+	$(PY) -m cute_kernels compile --arch sm_90a && $(PY) -m cute_kernels compile --arch sm_100a
+
+lint: $(ENV_DEP)
+	$(PY) -m ruff check cute_kernels tests perf
+
+clean:
+	rm -rf .venv perf/results .pytest_cache

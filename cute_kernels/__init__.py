@@ -1,0 +1,55 @@
+"""cute-kernels: layout-specialised CuTe DSL kernels for LLM serving engines.
+
+Public API::
+
+    kv_rope_insert(...)          DeepSeek V4/V4.1 KV-only RoPE + quantise + paged insert
+    check_kv_rope_insert(...)    its layout check (meta tensors welcome)
+    LayoutError                  raised for unsupported layouts, before any compile or launch
+    precompile(arch=None)        build (or load from disk) every kernel variant up front
+    set_strict(True)             any later compile raises StrictModeError
+    cache_stats()                compile-cache counters
+    reference                    pure-PyTorch references (the executable specs)
+"""
+
+from __future__ import annotations
+
+from . import reference
+from .arch import SUPPORTED_ARCHS, arch_for
+from .compile_cache import (
+    StrictModeError,
+    cache_stats,
+    families,
+    reset_cache_stats,
+    set_strict,
+)
+from .kv_insert import check_kv_rope_insert, kv_rope_insert
+from .validation import LayoutError
+
+__version__ = "0.1.0"
+
+
+def precompile(arch: str | None = None, kernels: list[str] | None = None) -> None:
+    """Compile (or load from the disk cache) every variant of the named kernel families (all by
+    default) for ``arch`` (default: the current CUDA device). Call once at start-up."""
+    import torch
+
+    target = arch_for(torch.device("cuda"), arch) if arch is None else arch_for(
+        torch.device("meta"), arch
+    )
+    for name, cache in families().items():
+        if kernels is None or name in kernels:
+            cache.precompile(cache.variants(target))
+
+
+__all__ = [
+    "SUPPORTED_ARCHS",
+    "LayoutError",
+    "StrictModeError",
+    "cache_stats",
+    "check_kv_rope_insert",
+    "kv_rope_insert",
+    "precompile",
+    "reference",
+    "reset_cache_stats",
+    "set_strict",
+]

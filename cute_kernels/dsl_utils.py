@@ -1,0 +1,172 @@
+"""CuTe DSL helpers shared by the kernels: fake tensors for tensor-free compiles, and the
+arithmetic whose rounding the specs pin down.
+
+Rounding is written as explicit PTX (``mul.rn``, ``fma.rn``, ``div.rn``, ``cvt.rn``): a plain
+``a * b + c`` may be contracted into an FMA by NVVM or ptxas, and the references in
+:mod:`cute_kernels.reference` must agree with the kernels bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .arch import ARCH_ENV
+
+# The DSL latches its default target at import and silently falls back to sm_100a without a
+# GPU; every compile below passes --gpu-arch explicitly, this only keeps the default honest.
+if ARCH_ENV in os.environ:
+    os.environ.setdefault("CUTE_DSL_ARCH", os.environ[ARCH_ENV])
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Float32, Int32, Int64, Uint32  # noqa: E402
+
+# -- compiling ---------------------------------------------------------------------------------
+
+
+def sym() -> Any:
+    """A runtime extent (token counts, page counts): one compile serves every value."""
+    return cute.sym_int()
+
+
+def sym_stride(divisibility: int = 1) -> Any:
+    """A runtime 64-bit stride, in elements, known to be a multiple of ``divisibility``."""
+    return cute.sym_int64(divisibility=divisibility)
+
+
+def fake_tensor(dtype: Any, shape: tuple, stride: tuple, align: int) -> Any:
+    return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=align)
+
+
+def fake_row_major(dtype: Any, shape: tuple, align: int) -> Any:
+    order = tuple(reversed(range(len(shape))))
+    return cute.runtime.make_fake_compact_tensor(
+        dtype, shape, stride_order=order, assumed_align=align
+    )
+
+
+def env_stream() -> Any:
+    """The TVM-FFI environment stream: each call launches on torch's current stream, so calls
+    are captured by CUDA graphs and follow ``torch.cuda.stream(...)``."""
+    return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def compile_tvm_ffi(launcher: Any, *fake_args: Any, arch: str) -> Any:
+    return cute.compile(launcher, *fake_args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
+
+
+# -- arithmetic with pinned rounding ------------------------------------------------------------
+
+
+def mul_rn(a: Float32, b: Float32) -> Float32:
+    """fp32 product rounded on its own (never fused into a following add)."""
+    return cute.arch.inline_ptx(
+        "mul.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32], read_only_args=[a, b]
+    )
+
+
+def fma_rn(a: Float32, b: Float32, c: Float32) -> Float32:
+    """fp32 ``a * b + c`` with one rounding."""
+    return cute.arch.inline_ptx(
+        "fma.rn.f32 {$w0}, {$r0}, {$r1}, {$r2};",
+        write_only_types=[Float32],
+        read_only_args=[a, b, c],
+    )
+
+
+def div_rn(a: Float32, b: Float32) -> Float32:
+    """IEEE fp32 division (not the approximate ``div.full``)."""
+    return cute.arch.inline_ptx(
+        "div.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32], read_only_args=[a, b]
+    )
+
+
+def rotate_pair(x_even: Float32, x_odd: Float32, cos: Float32, sin: Float32) -> tuple:
+    """One RoPE rotation: ``(fma(e, c, -rn(o*s)), fma(e, s, rn(o*c)))``, the rounding that
+    nvcc -O3 produces for ``e*c - o*s`` / ``e*s + o*c`` (the odd product rounded, the even
+    product fused)."""
+    rot_even = fma_rn(x_even, cos, -mul_rn(x_odd, sin))
+    rot_odd = fma_rn(x_even, sin, mul_rn(x_odd, cos))
+    return rot_even, rot_odd
+
+
+def round_to_bf16(x: Float32) -> Float32:
+    """fp32 -> bf16 (round to nearest even) -> fp32."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b16 h; cvt.rn.bf16.f32 h, {$r0}; cvt.f32.bf16 {$w0}, h; }",
+        write_only_types=[Float32],
+        read_only_args=[x],
+    )
+
+
+def pack_bf16x2(lo: Float32, hi: Float32) -> Uint32:
+    """Two fp32 -> two bf16 (RNE) in one 32-bit word, ``lo`` in the low half (lower address)."""
+    return cute.arch.inline_ptx(
+        "cvt.rn.bf16x2.f32 {$w0}, {$r1}, {$r0};",
+        write_only_types=[Uint32],
+        read_only_args=[lo, hi],
+    )
+
+
+def pack_e4m3x4(v0: Float32, v1: Float32, v2: Float32, v3: Float32) -> Uint32:
+    """Four fp32 -> four e4m3fn codes (RNE, saturating to +-448) in one word, ``v0`` lowest.
+
+    For finite inputs ``satfinite`` is exactly ``clamp(v, -448, 448)`` before the rounding.
+    """
+    return cute.arch.inline_ptx(
+        "{ .reg .b16 lo, hi;"
+        " cvt.rn.satfinite.e4m3x2.f32 lo, {$r1}, {$r0};"
+        " cvt.rn.satfinite.e4m3x2.f32 hi, {$r3}, {$r2};"
+        " mov.b32 {$w0}, {lo, hi}; }",
+        write_only_types=[Uint32],
+        read_only_args=[v0, v1, v2, v3],
+    )
+
+
+def ue8m0_exponent(amax: Float32) -> Int32:
+    """``e = ceil(log2(max(amax, 1e-4) / 448))`` exactly, from the bits of the IEEE quotient:
+    the quotient's exponent, plus one unless it is an exact power of two. No ``lg2.approx``."""
+    return cute.arch.inline_ptx(
+        "{ .reg .f32 q; .reg .b32 b, m; .reg .pred inexact;"
+        " max.f32 q, {$r0}, 0f38D1B717;"  # 1e-4f
+        " div.rn.f32 q, q, 0f43E00000;"  # 448.0f
+        " mov.b32 b, q;"
+        " and.b32 m, b, 8388607;"
+        " setp.ne.u32 inexact, m, 0;"
+        " bfe.u32 b, b, 23, 8;"
+        " add.s32 b, b, -127;"
+        " @inexact add.s32 b, b, 1;"
+        " mov.b32 {$w0}, b; }",
+        write_only_types=[Int32],
+        read_only_args=[amax],
+    )
+
+
+def exp2_neg(e: Int32) -> Float32:
+    """``2^-e`` as an exact fp32 (e in [-126, 127]; a larger e, from infinite input, gives 0)."""
+    biased = cutlass.max(Int32(127) - e, Int32(0))
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 b; shl.b32 b, {$r0}, 23; mov.b32 {$w0}, b; }",
+        write_only_types=[Float32],
+        read_only_args=[biased],
+    )
+
+
+def ue8m0_byte(e: Int32) -> Int32:
+    """The UE8M0 scale byte ``clamp(e + 127, 0, 255)``."""
+    return cutlass.min(cutlass.max(e + Int32(127), Int32(0)), Int32(255))
+
+
+def abs_max(values: Any, count: int, start: Float32) -> Float32:
+    """Max of ``|values[i]|`` over ``count`` register elements, starting from ``start``."""
+    amax = start
+    for i in range(count):  # plain helper: unrolled at trace time
+        amax = cute.arch.fmax(amax, abs(values[i]))
+    return amax
+
+
+def store_words(addr: Int64, words: Any, align: int = 16) -> None:
+    """Store a register fragment of 32-bit words at a byte address with one vector store."""
+    ptr = cute.make_ptr(Uint32, addr, cute.AddressSpace.gmem, assumed_align=align)
+    cute.autovec_copy(words, cute.make_tensor(ptr, cute.make_layout(cute.size(words))))

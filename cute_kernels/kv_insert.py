@@ -1,0 +1,473 @@
+"""Zero-query-head KV insert of DeepSeek V4 / V4.1 (DSpark context insertion).
+
+RoPE (GPT-J pairs on dims 448..511) + quantisation of bf16 ``kv`` rows ``[T, 512]`` into one of
+four paged cache formats, one warp per slot at every token count. Contract: specs/kv_insert.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32, const_expr
+
+from . import dsl_utils as du
+from .arch import SUPPORTED_ARCHS, arch_for
+from .compile_cache import KernelCache
+from .ops import mutating_op
+from .validation import (
+    LayoutError,
+    expect_base_aligned,
+    expect_contiguous,
+    expect_dtype,
+    expect_rank,
+    expect_same_device,
+    expect_size,
+    expect_stride_multiple,
+    expect_tensor,
+    fail,
+)
+
+HEAD_DIM = 512
+ROPE_DIM = 64
+NOPE_DIM = HEAD_DIM - ROPE_DIM
+# Every access is a 16-byte vector; bases and strides must allow it.
+VECTOR_BYTES = 16
+
+
+class CacheFormat(enum.Enum):
+    """The four record formats; the cache dtype (and ``kv_mxfp8`` for uint8) selects one."""
+
+    V4_PACKED = "v4_packed"  # uint8 [.., 584]: 448 e4m3 + 64 bf16 RoPE | 7 UE8M0 + pad, per page
+    V41_MXFP8 = "v41_mxfp8"  # uint8 [.., 528]: 512 e4m3 | 16 UE8M0 (groups of 32), per page
+    BF16 = "bf16"  # bf16 [.., 512]
+    FP8 = "fp8"  # float8_e4m3fn [.., 512] with a per-tensor scale
+
+    @property
+    def record_width(self) -> int:
+        """``k_cache.shape[2]`` for this format, in cache elements."""
+        return {"v4_packed": 584, "v41_mxfp8": 528, "bf16": 512, "fp8": 512}[self.value]
+
+    @property
+    def packed(self) -> bool:
+        return self in (CacheFormat.V4_PACKED, CacheFormat.V41_MXFP8)
+
+
+_CACHE_DTYPES = (torch.uint8, torch.bfloat16, torch.float8_e4m3fn)
+
+
+def cache_format(k_cache: torch.Tensor, kv_mxfp8: bool) -> CacheFormat:
+    if k_cache.dtype == torch.uint8:
+        return CacheFormat.V41_MXFP8 if kv_mxfp8 else CacheFormat.V4_PACKED
+    if k_cache.dtype == torch.bfloat16:
+        return CacheFormat.BF16
+    return CacheFormat.FP8
+
+
+@dataclasses.dataclass(frozen=True)
+class KvInsertKey:
+    """Everything that changes the generated code. Token count, slot count, page count, block
+    size and page/row strides are runtime values: one compile serves them all."""
+
+    cache_format: CacheFormat
+    arch: str
+
+
+class KvRopeInsert:
+    """One warp per (token, slot); lane ``L`` owns dims ``[16L, 16L + 16)``.
+
+    Lanes 0..27 hold NoPE dims, lanes 28..31 the 64 RoPE dims (8 GPT-J pairs each). A group
+    max is a butterfly over the lanes of one quantisation group (4 lanes = 64 dims for V4, 2
+    lanes = 32 dims for V4.1). Each lane moves its data with 16-byte vectors, so a warp reads one
+    contiguous 1 KiB kv row and writes whole 16-byte sectors of the record.
+    """
+
+    WARPS_PER_CTA = 8  # 256 threads: enough CTAs at T = 1 .. 262144 without a tail wave problem
+    DIMS_PER_LANE = HEAD_DIM // 32
+    ROPE_FIRST_LANE = NOPE_DIM // DIMS_PER_LANE  # 28
+    PAIRS_PER_LANE = DIMS_PER_LANE // 2  # 8 (cos, sin) pairs per RoPE lane
+
+    def __init__(self, fmt: CacheFormat) -> None:
+        self.fmt = fmt
+        if fmt is CacheFormat.V4_PACKED:
+            self.group_lanes = 4  # 64-dim groups over NoPE (lanes 28..31 form a 5th, unused)
+            self.data_bytes = NOPE_DIM + 2 * ROPE_DIM  # 576
+            self.scale_bytes = 8  # 7 group scales + zero pad byte
+        elif fmt is CacheFormat.V41_MXFP8:
+            self.group_lanes = 2  # 32-dim groups over all 512 dims
+            self.data_bytes = HEAD_DIM  # 512
+            self.scale_bytes = 16
+
+    @cute.jit
+    def __call__(
+        self,
+        mKV: cute.Tensor,
+        mSlot: cute.Tensor,
+        mPos: cute.Tensor,
+        mCosSin: cute.Tensor,
+        mCache: cute.Tensor,
+        mScale: cute.Tensor | None,
+        stream: cuda.CUstream,
+    ) -> None:
+        num_slots = mSlot.shape[0]
+        self.kernel(mKV, mSlot, mPos, mCosSin, mCache, mScale).launch(
+            grid=[cute.ceil_div(num_slots, self.WARPS_PER_CTA), 1, 1],
+            block=[32 * self.WARPS_PER_CTA, 1, 1],
+            stream=stream,
+            use_pdl=True,  # overlap our launch with the tail of the previous kernel
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mKV: cute.Tensor,
+        mSlot: cute.Tensor,
+        mPos: cute.Tensor,
+        mCosSin: cute.Tensor,
+        mCache: cute.Tensor,
+        mScale: cute.Tensor | None,
+    ) -> None:
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        cta, _, _ = cute.arch.block_idx()
+        token = cta * self.WARPS_PER_CTA + warp
+        # PDL: nothing before this reads memory the previous kernel may still be writing.
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        if token < mSlot.shape[0]:
+            slot = mSlot[token]
+            if slot >= 0:
+                tXgX = cute.local_tile(mKV[token, None], (self.DIMS_PER_LANE,), (lane,))
+                tXrX = cute.make_rmem_tensor((self.DIMS_PER_LANE,), BFloat16)
+                cute.autovec_copy(tXgX, tXrX)
+                tXrF = cute.make_rmem_tensor((self.DIMS_PER_LANE,), Float32)
+                tXrF.store(tXrX.load().to(Float32))
+                is_rope_lane = lane >= self.ROPE_FIRST_LANE
+                if is_rope_lane:
+                    self.apply_rope(tXrF, mCosSin, mPos[token], lane)
+
+                block_size = Int64(mCache.shape[1])
+                page_index = slot // block_size
+                row = slot - page_index * block_size
+                page = mCache.iterator.toint() + page_index * mCache.stride[0]
+                if const_expr(self.fmt.packed):
+                    self.store_packed(tXrF, page, row, block_size, lane, is_rope_lane)
+                else:
+                    row_addr = page + row * mCache.stride[1] + lane * (2 * self.DIMS_PER_LANE)
+                    if const_expr(self.fmt is CacheFormat.BF16):
+                        self.store_bf16(tXrX, tXrF, row_addr, is_rope_lane)
+                    else:
+                        row_addr = page + row * mCache.stride[1] + lane * self.DIMS_PER_LANE
+                        self.store_fp8(tXrF, mScale, row_addr)
+
+    @cute.jit
+    def apply_rope(
+        self, tXrF: cute.Tensor, mCosSin: cute.Tensor, position: Int64, lane: Int32
+    ) -> None:
+        """GPT-J rotation of this lane's 8 pairs with cos/sin row ``position`` (cos | sin)."""
+        rope_lane = lane - self.ROPE_FIRST_LANE
+        gCS = mCosSin[position, None]
+        tCrC = cute.make_rmem_tensor((self.PAIRS_PER_LANE,), Float32)
+        tCrS = cute.make_rmem_tensor((self.PAIRS_PER_LANE,), Float32)
+        cute.autovec_copy(cute.local_tile(gCS, (self.PAIRS_PER_LANE,), (rope_lane,)), tCrC)
+        sin_tile = rope_lane + (ROPE_DIM // 2) // self.PAIRS_PER_LANE
+        cute.autovec_copy(cute.local_tile(gCS, (self.PAIRS_PER_LANE,), (sin_tile,)), tCrS)
+        for j in cutlass.range_constexpr(self.PAIRS_PER_LANE):
+            rot_even, rot_odd = du.rotate_pair(tXrF[2 * j], tXrF[2 * j + 1], tCrC[j], tCrS[j])
+            tXrF[2 * j] = rot_even
+            tXrF[2 * j + 1] = rot_odd
+
+    @cute.jit
+    def quantize_group(self, tXrF: cute.Tensor, tXrQ: cute.Tensor) -> Int32:
+        """UE8M0 quantisation of this lane's 16 values within its group; returns the group's
+        exponent ``e`` (codes = e4m3(v * 2^-e)), identical in every lane of the group."""
+        amax = du.abs_max(tXrF, self.DIMS_PER_LANE, Float32(0.0))
+        offset = 1
+        for _ in cutlass.range_constexpr(self.group_lanes.bit_length() - 1):
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset))
+            offset *= 2
+        exponent = du.ue8m0_exponent(amax)
+        inv_scale = du.exp2_neg(exponent)  # exact power of two: the products are exact
+        for w in cutlass.range_constexpr(self.DIMS_PER_LANE // 4):
+            tXrQ[w] = du.pack_e4m3x4(
+                tXrF[4 * w] * inv_scale,
+                tXrF[4 * w + 1] * inv_scale,
+                tXrF[4 * w + 2] * inv_scale,
+                tXrF[4 * w + 3] * inv_scale,
+            )
+        return exponent
+
+    @cute.jit
+    def store_packed(
+        self,
+        tXrF: cute.Tensor,
+        page: Int64,
+        row: Int64,
+        block_size: Int64,
+        lane: Int32,
+        is_rope_lane: cutlass.Boolean,
+    ) -> None:
+        """Segregated page layout: ``[bs x data_bytes]`` records, then ``[bs x scale_bytes]``."""
+        record = page + row * self.data_bytes
+        tXrQ = cute.make_rmem_tensor((self.DIMS_PER_LANE // 4,), Uint32)
+        if const_expr(self.fmt is CacheFormat.V41_MXFP8):
+            if is_rope_lane:  # V4.1 quantises the bf16-rounded rotated values too
+                for i in cutlass.range_constexpr(self.DIMS_PER_LANE):
+                    tXrF[i] = du.round_to_bf16(tXrF[i])
+            exponent = self.quantize_group(tXrF, tXrQ)
+            du.store_words(record + lane * self.DIMS_PER_LANE, tXrQ)
+        else:
+            exponent = self.quantize_group(tXrF, tXrQ)  # RoPE lanes' group 7 is never stored
+            if is_rope_lane:
+                tXrB = cute.make_rmem_tensor((self.DIMS_PER_LANE // 2,), Uint32)
+                for w in cutlass.range_constexpr(self.DIMS_PER_LANE // 2):
+                    tXrB[w] = du.pack_bf16x2(tXrF[2 * w], tXrF[2 * w + 1])
+                rope_addr = record + NOPE_DIM + (lane - self.ROPE_FIRST_LANE) * 32
+                du.store_words(rope_addr, cute.local_tile(tXrB, (4,), (0,)))
+                du.store_words(rope_addr + 16, cute.local_tile(tXrB, (4,), (1,)))
+            else:
+                du.store_words(record + lane * self.DIMS_PER_LANE, tXrQ)
+        # Scale bytes: word j of the row holds groups 4j..4j+3; group g's exponent lives in lane
+        # g * group_lanes. Every lane joins the shuffles; lanes 0..words-1 store one word each, so
+        # the row's scale bytes leave in one coalesced store. (V4: lane 28 owns "group 7", the
+        # RoPE lanes, whose byte is the zero pad.)
+        scale_byte = du.ue8m0_byte(exponent)
+        if const_expr(self.fmt is CacheFormat.V4_PACKED):
+            scale_byte = cutlass.select_(is_rope_lane, Int32(0), scale_byte)
+        words = self.scale_bytes // 4
+        packed = Uint32(0)
+        for k in cutlass.range_constexpr(4):
+            src = ((lane % words) * 4 + k) * self.group_lanes
+            byte = cute.arch.shuffle_sync(scale_byte, offset=src)
+            packed = packed | (Uint32(byte) << (8 * k))
+        if lane < words:
+            scale_row = page + block_size * self.data_bytes + row * self.scale_bytes
+            ptr = cute.make_ptr(
+                Uint32, scale_row + lane * 4, cute.AddressSpace.gmem, assumed_align=4
+            )
+            ptr.store(packed)
+
+    @cute.jit
+    def store_bf16(
+        self, tXrX: cute.Tensor, tXrF: cute.Tensor, row_addr: Int64, is_rope_lane: cutlass.Boolean
+    ) -> None:
+        """NoPE dims: the input bits unchanged; RoPE dims: RNE of the fp32 rotation."""
+        tXrB = cute.make_rmem_tensor((self.DIMS_PER_LANE // 2,), Uint32)
+        if is_rope_lane:
+            for w in cutlass.range_constexpr(self.DIMS_PER_LANE // 2):
+                tXrB[w] = du.pack_bf16x2(tXrF[2 * w], tXrF[2 * w + 1])
+        else:
+            tXrB.store(cute.recast_tensor(tXrX, Uint32).load())
+        du.store_words(row_addr, cute.local_tile(tXrB, (4,), (0,)))
+        du.store_words(row_addr + 16, cute.local_tile(tXrB, (4,), (1,)))
+
+    @cute.jit
+    def store_fp8(self, tXrF: cute.Tensor, mScale: cute.Tensor, row_addr: Int64) -> None:
+        """e4m3(clamp(x * fl32(1 / scale))), from fp32 (the RoPE dims are not rounded first)."""
+        inv_scale = du.div_rn(Float32(1.0), mScale[0])
+        tXrQ = cute.make_rmem_tensor((self.DIMS_PER_LANE // 4,), Uint32)
+        for w in cutlass.range_constexpr(self.DIMS_PER_LANE // 4):
+            tXrQ[w] = du.pack_e4m3x4(
+                du.mul_rn(tXrF[4 * w], inv_scale),
+                du.mul_rn(tXrF[4 * w + 1], inv_scale),
+                du.mul_rn(tXrF[4 * w + 2], inv_scale),
+                du.mul_rn(tXrF[4 * w + 3], inv_scale),
+            )
+        du.store_words(row_addr, tXrQ)
+
+
+def _build(key: KvInsertKey):
+    """Tensor-free compile: symbolic token, slot and page counts; 64-bit symbolic strides."""
+    fmt = key.cache_format
+    tokens = du.sym()
+    kv = du.fake_row_major(BFloat16, (tokens, HEAD_DIM), align=VECTOR_BYTES)
+    slots = du.fake_row_major(Int64, (du.sym(),), align=8)
+    positions = du.fake_row_major(Int64, (tokens,), align=8)
+    cos_sin = du.fake_row_major(Float32, (du.sym(), ROPE_DIM), align=VECTOR_BYTES)
+    # The kernel sees every cache as bytes (bf16/fp8 caches are viewed as uint8 by the wrapper).
+    row_bytes = fmt.record_width * (2 if fmt is CacheFormat.BF16 else 1)
+    row_stride = du.sym_stride() if fmt.packed else du.sym_stride(VECTOR_BYTES)
+    cache = du.fake_tensor(
+        Uint8,
+        (du.sym(), du.sym(), row_bytes),
+        (du.sym_stride(VECTOR_BYTES), row_stride, 1),
+        align=VECTOR_BYTES,
+    )
+    scale = du.fake_row_major(Float32, (1,), align=4) if fmt is CacheFormat.FP8 else None
+    return du.compile_tvm_ffi(
+        KvRopeInsert(fmt), kv, slots, positions, cos_sin, cache, scale, du.env_stream(),
+        arch=key.arch,
+    )
+
+
+def _variants(arch: str) -> list[KvInsertKey]:
+    return [KvInsertKey(fmt, arch) for fmt in CacheFormat]
+
+
+KERNELS = KernelCache("kv_rope_insert", _build, _variants)
+
+
+def _validate(
+    kv: torch.Tensor,
+    k_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    block_size: int,
+    fp8_scale: torch.Tensor | None,
+    kv_mxfp8: bool,
+    require_cuda: bool,
+) -> KvInsertKey | None:
+    """Raise :class:`LayoutError` for anything the kernel does not support; return the compile
+    key (None when the tensors carry no arch: meta or CPU tensors)."""
+    expect_tensor(kv, "kv")
+    expect_dtype(kv, "kv", torch.bfloat16)
+    expect_rank(kv, "kv", 2)
+    expect_size(kv, "kv", 1, HEAD_DIM)
+    expect_contiguous(kv, "kv")
+    device = kv.device
+    if require_cuda and device.type != "cuda":
+        fail("kv", "a CUDA tensor", f"device {device}")
+
+    expect_tensor(k_cache, "k_cache")
+    expect_same_device(k_cache, "k_cache", device, "kv")
+    expect_dtype(k_cache, "k_cache", *_CACHE_DTYPES)
+    expect_rank(k_cache, "k_cache", 3)
+    fmt = cache_format(k_cache, bool(kv_mxfp8))
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        fail("block_size", "a positive int", repr(block_size))
+    expect_size(k_cache, "k_cache", 1, block_size)
+    if k_cache.shape[2] != fmt.record_width:
+        fail(
+            "k_cache",
+            f"record width {fmt.record_width} for a {k_cache.dtype} cache"
+            + (f" (kv_mxfp8={bool(kv_mxfp8)})" if fmt.packed else ""),
+            f"shape {tuple(k_cache.shape)}",
+        )
+    if k_cache.stride(2) != 1:
+        fail("k_cache", "stride 1 in dim 2", f"strides {k_cache.stride()}")
+    elem = k_cache.element_size()
+    if fmt.packed:  # records then scales, segregated per page; stride(1) is not used
+        page_bytes = block_size * fmt.record_width
+        expect_stride_multiple(k_cache, "k_cache", [0], VECTOR_BYTES)
+    else:
+        if k_cache.stride(1) < HEAD_DIM:
+            fail("k_cache", f"stride(1) >= {HEAD_DIM} (rows must not overlap)", k_cache.stride())
+        page_bytes = block_size * k_cache.stride(1) * elem
+        expect_stride_multiple(k_cache, "k_cache", [0, 1], VECTOR_BYTES)
+    if k_cache.shape[0] > 1 and k_cache.stride(0) * elem < page_bytes:
+        fail("k_cache", f"page stride >= {page_bytes} bytes (pages must not overlap)",
+             f"{k_cache.stride(0) * elem} bytes")
+    expect_base_aligned(k_cache, "k_cache", VECTOR_BYTES)
+
+    for name, t in (("slot_mapping", slot_mapping), ("positions", positions)):
+        expect_tensor(t, name)
+        expect_same_device(t, name, device, "kv")
+        expect_dtype(t, name, torch.int64)
+        expect_rank(t, name, 1)
+        expect_contiguous(t, name)
+    if positions.shape[0] != kv.shape[0]:
+        fail("positions", f"{kv.shape[0]} entries (one per kv row)", f"{positions.shape[0]}")
+    if slot_mapping.shape[0] > kv.shape[0]:
+        fail("slot_mapping", f"at most {kv.shape[0]} entries (kv rows)", slot_mapping.shape[0])
+
+    expect_tensor(cos_sin_cache, "cos_sin_cache")
+    expect_same_device(cos_sin_cache, "cos_sin_cache", device, "kv")
+    expect_dtype(cos_sin_cache, "cos_sin_cache", torch.float32)
+    expect_rank(cos_sin_cache, "cos_sin_cache", 2)
+    expect_size(cos_sin_cache, "cos_sin_cache", 1, ROPE_DIM)
+    expect_contiguous(cos_sin_cache, "cos_sin_cache")
+    expect_base_aligned(cos_sin_cache, "cos_sin_cache", VECTOR_BYTES)
+    expect_base_aligned(kv, "kv", VECTOR_BYTES)
+
+    if fmt is CacheFormat.FP8:
+        if fp8_scale is None:
+            fail("fp8_scale", "a float32 tensor of one element for a float8_e4m3fn cache", None)
+        expect_tensor(fp8_scale, "fp8_scale")
+        expect_same_device(fp8_scale, "fp8_scale", device, "kv")
+        expect_dtype(fp8_scale, "fp8_scale", torch.float32)
+        if fp8_scale.numel() != 1:
+            fail("fp8_scale", "one element", f"shape {tuple(fp8_scale.shape)}")
+
+    arch = arch_for(device)
+    return KvInsertKey(fmt, arch) if arch is not None else None
+
+
+def check_kv_rope_insert(
+    kv: torch.Tensor,
+    k_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    block_size: int,
+    fp8_scale: torch.Tensor | None = None,
+    kv_mxfp8: bool = False,
+) -> None:
+    """Raise :class:`LayoutError` if :func:`kv_rope_insert` would reject these arguments.
+
+    Reads metadata only: ``meta`` tensors work, so a model loader can check a layout without a
+    GPU. On meta/CPU tensors the arch is checked only when ``CUTE_KERNELS_ARCH`` names one.
+    """
+    _validate(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, fp8_scale,
+              kv_mxfp8, require_cuda=False)
+
+
+@mutating_op("kv_rope_insert", mutates_args=("k_cache",))
+def _kv_rope_insert_op(
+    kv: torch.Tensor,
+    k_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    block_size: int,
+    fp8_scale: torch.Tensor | None = None,
+    kv_mxfp8: bool = False,
+) -> None:
+    key = _validate(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, fp8_scale,
+                    kv_mxfp8, require_cuda=True)
+    if slot_mapping.shape[0] == 0:
+        return
+    cache_bytes = k_cache if k_cache.dtype == torch.uint8 else k_cache.view(torch.uint8)
+    scale = fp8_scale.reshape(1) if key.cache_format is CacheFormat.FP8 else None
+    KERNELS.get(key)(kv, slot_mapping, positions, cos_sin_cache, cache_bytes, scale)
+
+
+def kv_rope_insert(
+    kv: torch.Tensor,
+    k_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    block_size: int,
+    fp8_scale: torch.Tensor | None = None,
+    kv_mxfp8: bool = False,
+) -> None:
+    """RoPE + quantise + insert ``kv[:N]`` into the paged ``k_cache`` at ``slot_mapping``.
+
+    Same arguments, in the same order, as vLLM's ``fused_deepseek_v4_kv_rope_insert``.
+    ``N = slot_mapping.shape[0]``; negative slots are skipped; nothing else is written. Launches
+    on the current stream with no host sync or allocation (CUDA-graph safe).
+    """
+    if torch.compiler.is_compiling():  # keep the kernel opaque to Dynamo
+        torch.ops.cute_kernels.kv_rope_insert(
+            kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, fp8_scale, kv_mxfp8
+        )
+    else:  # eager: skip the dispatcher's per-call overhead
+        _kv_rope_insert_op(
+            kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, fp8_scale, kv_mxfp8
+        )
+
+
+__all__ = [
+    "SUPPORTED_ARCHS",
+    "CacheFormat",
+    "KvInsertKey",
+    "KvRopeInsert",
+    "LayoutError",
+    "check_kv_rope_insert",
+    "kv_rope_insert",
+]

@@ -1,0 +1,133 @@
+"""Pure-PyTorch references: the executable specs of the kernels.
+
+Each function has its kernel's signature, runs on CPU and GPU tensors, mutates the cache the
+same way, and states every rounding point explicitly (see specs/). Vectorised: no per-token
+Python loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import kv_insert as _kv
+from .kv_insert import NOPE_DIM, ROPE_DIM, CacheFormat
+
+# -- exact fp32 arithmetic helpers ----------------------------------------------------------------
+
+
+def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 ``fma(a, b, c)`` (one rounding), exactly, for finite inputs.
+
+    ``a * b`` is exact in float64 (24 + 24 bits). The sum with ``c`` is computed in float64 with
+    its exact error (TwoSum) and rounded to odd, and a round-to-odd float64 rounds to the same
+    fp32 as the exact value (53 >= 24 + 2), so no double-rounding case remains.
+    """
+    prod = a.double() * b.double()
+    c64 = c.double()
+    s = prod + c64
+    bp = s - prod
+    err = (prod - (s - bp)) + (c64 - bp)
+    odd = (s.view(torch.int64) & 1) == 1
+    toward = torch.where(err > 0, torch.full_like(s, float("inf")), torch.full_like(s, -float("inf")))
+    s = torch.where((err != 0) & ~odd, torch.nextafter(s, toward), s)
+    return s.float()
+
+
+def rotate_gptj(
+    x_even: torch.Tensor, x_odd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-J RoPE pair, rounded as the kernels do: ``fma(e, c, -rn(o*s))``, ``fma(e, s, rn(o*c))``."""
+    return fma_f32(x_even, cos, -(x_odd * sin)), fma_f32(x_even, sin, x_odd * cos)
+
+
+def ue8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """``ceil(log2(max(amax, 1e-4) / 448))`` of fp32 ``amax``, exactly (int32)."""
+    q = amax.float().clamp_min(1e-4) / 448.0
+    bits = q.view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    return (exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)).to(torch.int32)
+
+
+def ue8m0_quantize(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """UE8M0 block quantisation of fp32 ``values [M, D]`` in groups of ``group`` dims.
+
+    Returns ``(codes uint8 [M, D], scale bytes uint8 [M, D / group])`` where
+    ``codes = e4m3_rne(clamp(v * 2^-e, -448, 448))`` and ``byte = clamp(e + 127, 0, 255)``.
+    """
+    m, d = values.shape
+    grouped = values.reshape(m, d // group, group)
+    exponent = ue8m0_exponent(grouped.abs().amax(dim=-1))
+    inv_scale = torch.ldexp(torch.ones_like(grouped[..., 0]), -exponent.float())
+    scaled = (grouped * inv_scale.unsqueeze(-1)).clamp(-448.0, 448.0)
+    codes = scaled.to(torch.float8_e4m3fn).view(torch.uint8).reshape(m, d)
+    return codes, (exponent + 127).clamp(0, 255).to(torch.uint8)
+
+
+def _storage_bytes(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A flat uint8 view of ``t``'s whole storage and ``t``'s byte offset in it."""
+    flat = torch.empty(0, dtype=torch.uint8, device=t.device)
+    flat.set_(t.untyped_storage())
+    return flat, t.storage_offset() * t.element_size()
+
+
+def _scatter_rows(flat: torch.Tensor, row_starts: torch.Tensor, rows: torch.Tensor) -> None:
+    """``flat[row_starts[i] + j] = rows[i, j]`` for every row i and byte j."""
+    index = row_starts.unsqueeze(1) + torch.arange(rows.shape[1], device=rows.device)
+    flat[index.reshape(-1)] = rows.reshape(-1)
+
+
+# -- KV insert ----------------------------------------------------------------------------------
+
+
+def kv_rope_insert(
+    kv: torch.Tensor,
+    k_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    block_size: int,
+    fp8_scale: torch.Tensor | None = None,
+    kv_mxfp8: bool = False,
+) -> None:
+    """Reference of :func:`cute_kernels.kv_rope_insert` (specs/kv_insert.md)."""
+    _kv._validate(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, fp8_scale,
+                  kv_mxfp8, require_cuda=False)
+    fmt = _kv.cache_format(k_cache, kv_mxfp8)
+    n = slot_mapping.shape[0]
+    tokens = torch.nonzero(slot_mapping >= 0).flatten()
+    if tokens.numel() == 0:
+        return
+    slots = slot_mapping[tokens]
+    x = kv[:n][tokens].float()
+    cos_sin = cos_sin_cache[positions[:n][tokens]]
+    half = ROPE_DIM // 2
+    rot_even, rot_odd = rotate_gptj(
+        x[:, NOPE_DIM::2], x[:, NOPE_DIM + 1 :: 2], cos_sin[:, :half], cos_sin[:, half:]
+    )
+    rope = torch.stack([rot_even, rot_odd], dim=-1).reshape(-1, ROPE_DIM)  # fp32, interleaved
+
+    flat, base = _storage_bytes(k_cache)
+    elem = k_cache.element_size()
+    page = base + (slots // block_size) * k_cache.stride(0) * elem
+    row = slots % block_size
+    if fmt is CacheFormat.V4_PACKED:
+        codes, scales = ue8m0_quantize(x[:, :NOPE_DIM], 64)
+        rope_bytes = rope.to(torch.bfloat16).view(torch.uint8)
+        pad = torch.zeros_like(scales[:, :1])
+        _scatter_rows(flat, page + row * 576, torch.cat([codes, rope_bytes], dim=1))
+        _scatter_rows(flat, page + block_size * 576 + row * 8, torch.cat([scales, pad], dim=1))
+    elif fmt is CacheFormat.V41_MXFP8:
+        values = torch.cat([x[:, :NOPE_DIM], rope], dim=1).to(torch.bfloat16).float()
+        codes, scales = ue8m0_quantize(values, 32)
+        _scatter_rows(flat, page + row * 512, codes)
+        _scatter_rows(flat, page + block_size * 512 + row * 16, scales)
+    else:
+        row_start = page + row * k_cache.stride(1) * elem
+        if fmt is CacheFormat.BF16:
+            out = torch.cat([kv[:n][tokens][:, :NOPE_DIM], rope.to(torch.bfloat16)], dim=1)
+            _scatter_rows(flat, row_start, out.view(torch.uint8))
+        else:
+            inv_scale = 1.0 / fp8_scale.reshape(1).float()  # IEEE fp32 division
+            values = torch.cat([x[:, :NOPE_DIM], rope], dim=1)
+            codes = (values * inv_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            _scatter_rows(flat, row_start, codes.view(torch.uint8))

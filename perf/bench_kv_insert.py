@@ -1,0 +1,63 @@
+"""KV-insert benchmark: cute_kernels vs the PyTorch reference (eager and torch.compile)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import cute_kernels  # noqa: E402
+from cute_kernels import reference  # noqa: E402
+from kv_insert_cases import FORMATS, make_case  # noqa: E402
+
+from .timing import Timer  # noqa: E402
+
+TOKENS = (1, 16, 512, 2048, 16384, 65536, 262144)
+BLOCK_SIZE = 64
+POSITIONS_BASE = 1000
+
+
+def op_bytes(fmt: str, tokens: int) -> int:
+    """kv row + position + slot + cos/sin row read, record (+ scales) written, per token."""
+    record = {"v4_packed": 584, "v41_mxfp8": 528, "bf16": 1024, "fp8": 512}[fmt]
+    return tokens * (512 * 2 + 8 + 8 + 64 * 4 + record)
+
+
+def run(timer: Timer, ceiling: float, tokens=TOKENS, baselines: bool = True) -> list[dict]:
+    rows = []
+    compiled_ref = torch.compile(reference.kv_rope_insert, dynamic=True)
+    for fmt in FORMATS:
+        for t in tokens:
+            case = make_case(fmt, t, BLOCK_SIZE, "cuda", extra_rows=0,
+                             positions_base=POSITIONS_BASE, seed=t, skip_every=0)
+            args = case.args()
+            # correctness of the timed call, once
+            ref_backing, ref_cache = case.twin()
+            reference.kv_rope_insert(*case.args(ref_cache))
+            cute_kernels.kv_rope_insert(*args)
+            torch.cuda.synchronize()
+            exact = torch.equal(case.backing.view(torch.uint8), ref_backing.view(torch.uint8))
+
+            def call(args=args):
+                cute_kernels.kv_rope_insert(*args)
+
+            nbytes = op_bytes(fmt, t)
+            cold = timer.cold_us(call)
+            row = {
+                "kernel": "kv_rope_insert", "format": fmt, "tokens": t,
+                "block_size": BLOCK_SIZE, "bytes": nbytes, "exact": exact,
+                "cold_us": cold, "hot_us": timer.hot_us(call), "host_us": timer.host_us(call),
+                "pct_of_copy_cold": 100 * nbytes / (cold * 1e-6) / ceiling,
+            }
+            if baselines:
+                ref_args = case.args(ref_cache)
+                row["ref_eager_us"] = timer.eager_cold_us(lambda: reference.kv_rope_insert(*ref_args))
+                row["ref_compile_us"] = timer.eager_cold_us(lambda: compiled_ref(*ref_args))
+            rows.append(row)
+            print(f"  {fmt:<10} T={t:<7} cold {cold:8.1f} us  hot {row['hot_us']:8.2f} us  "
+                  f"{row['pct_of_copy_cold']:5.1f}% copy  exact={exact}", flush=True)
+            del case, ref_backing, ref_cache
+    return rows

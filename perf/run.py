@@ -1,0 +1,85 @@
+"""``make perf``: benchmarks on a GPU; without one, compile every variant and say so.
+
+Writes ``perf/results/<kernel>.json`` and ``perf/results/summary.md`` (git-ignored) and prints
+the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def compile_only() -> int:
+    from cute_kernels.__main__ import compile_all
+
+    print("No CUDA device: compiling every kernel variant for sm_90a and sm_100a instead.")
+    status = 0
+    for arch in ("sm_90a", "sm_100a"):
+        print(f"--- {arch}")
+        status |= compile_all(arch, None)
+    print("Timings need a GPU: run `make perf` on a Hopper/Blackwell machine.")
+    return status
+
+
+def markdown(rows: list[dict], env: dict, ceiling: float) -> str:
+    lines = [
+        f"# cute-kernels perf — {env['gpu']}, {env['date']}",
+        f"driver {env['driver']}, torch {env['torch']}, CuTe DSL {env['cutlass_dsl']}; "
+        f"copy ceiling {ceiling / 1e12:.2f} TB/s (read + write)",
+        "",
+        "| kernel | format | T | cold µs | hot µs | host µs | % copy (cold) | ref eager µs "
+        "| ref compile µs | exact |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['kernel']} | {r['format']} | {r['tokens']} | {r['cold_us']:.1f} | "
+            f"{r['hot_us']:.2f} | {r['host_us']:.1f} | {r['pct_of_copy_cold']:.1f} | "
+            f"{r.get('ref_eager_us', float('nan')):.1f} | "
+            f"{r.get('ref_compile_us', float('nan')):.1f} | {r['exact']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kernel", default=None)
+    parser.add_argument("--no-baselines", action="store_true")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        return compile_only()
+
+    from . import bench_kv_insert
+    from .timing import Timer, copy_ceiling_bytes_per_s, environment
+
+    env = environment()
+    ceiling = copy_ceiling_bytes_per_s()
+    print(f"{env['gpu']} {env['date']}: copy ceiling {ceiling / 1e12:.3f} TB/s", flush=True)
+    timer = Timer()
+    rows: list[dict] = []
+    benches = {"kv_rope_insert": bench_kv_insert}
+    for name, bench in benches.items():
+        if args.kernel in (None, name):
+            print(f"--- {name}", flush=True)
+            rows += bench.run(timer, ceiling, baselines=not args.no_baselines)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(
+        json.dumps({"env": env, "copy_ceiling_Bps": ceiling, "rows": rows}, indent=1)
+    )
+    table = markdown(rows, env, ceiling)
+    (out / "summary.md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Timing as specified in shared benchmarking rules: cold/hot CUDA-graph replay, host time, and a
+device-to-device copy ceiling measured in the same run."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+L2_FLUSH_BYTES = 512 << 20  # > 8x the H200's 60 MB L2
+
+
+class Timer:
+    def __init__(self, replays: int = 60) -> None:
+        self.replays = replays
+        self._flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+
+    def flush_l2(self) -> None:
+        self._flush.fill_(1)
+
+    def _graph(self, fn: Callable[[], None], calls: int) -> torch.cuda.CUDAGraph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # warm: compile/load outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        torch.cuda.synchronize()
+        return graph
+
+    def _replay_us(self, graph: torch.cuda.CUDAGraph, flush: bool, reps: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        samples = []
+        for _ in range(reps):
+            if flush:
+                self.flush_l2()
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3)
+        return statistics.median(samples)
+
+    def cold_us(self, fn: Callable[[], None]) -> float:
+        """One call in a CUDA graph, L2 flushed before each replay; median over replays."""
+        graph = self._graph(fn, 1)
+        self._replay_us(graph, True, 5)
+        return self._replay_us(graph, True, self.replays)
+
+    def hot_us(self, fn: Callable[[], None], calls: int = 20) -> float:
+        """``calls`` back-to-back calls in one graph, replay time / calls (L2 warm)."""
+        graph = self._graph(fn, calls)
+        self._replay_us(graph, False, 5)
+        return self._replay_us(graph, False, max(10, self.replays // 3)) / calls
+
+    def host_us(self, fn: Callable[[], None], calls: int = 200) -> float:
+        """Wall time per eager call, launches pipelined."""
+        fn()
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - begin) / calls * 1e6
+
+    def eager_cold_us(self, fn: Callable[[], None], reps: int = 15) -> float:
+        """For baselines that cannot be graph-captured (data-dependent shapes): events around
+        one eager call after an L2 flush, launch overhead included; median."""
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        samples = []
+        for _ in range(reps):
+            self.flush_l2()
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3)
+        return statistics.median(samples)
+
+
+def copy_ceiling_bytes_per_s(nbytes: int = 1 << 30, reps: int = 10) -> float:
+    """Device-to-device ``copy_`` of ``nbytes``; bytes read + written per second."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(3)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / reps
+    return 2 * nbytes / seconds
+
+
+def environment() -> dict:
+    import cutlass
+
+    props = torch.cuda.get_device_properties(0)
+    driver = "unknown"
+    try:
+        import subprocess
+
+        driver = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+    except Exception:
+        pass
+    return {
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "driver": driver,
+        "torch": torch.__version__,
+        "cutlass_dsl": cutlass.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
