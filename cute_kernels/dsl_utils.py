@@ -21,6 +21,7 @@ if ARCH_ENV in os.environ:
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32, Int64, Uint32  # noqa: E402
+from cutlass._mlir.dialects import llvm  # noqa: E402
 
 # -- compiling ---------------------------------------------------------------------------------
 
@@ -170,3 +171,17 @@ def store_words(addr: Int64, words: Any, align: int = 16) -> None:
     """Store a register fragment of 32-bit words at a byte address with one vector store."""
     ptr = cute.make_ptr(Uint32, addr, cute.AddressSpace.gmem, assumed_align=align)
     cute.autovec_copy(words, cute.make_tensor(ptr, cute.make_layout(cute.size(words))))
+
+
+def load_i64_now(addr: Int64) -> Int64:
+    """Load an int64 here, not later: a plain load used only inside a branch is sunk into it by
+    LLVM, which serialises it behind the branch condition's own load. Only for data that is
+    read-only while the kernel runs (``.nc`` path)."""
+    value = llvm.inline_asm(
+        Int64.mlir_type,
+        [Int64(addr).ir_value()],
+        "ld.global.nc.b64 $0, [$1];",
+        "=l,l",
+        has_side_effects=True,
+    )
+    return Int64(value)

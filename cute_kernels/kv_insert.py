@@ -87,6 +87,10 @@ class KvRopeInsert:
     """
 
     WARPS_PER_CTA = 8  # 256 threads: enough CTAs at T = 1 .. 262144 without a tail wave problem
+    # The op is bound by how many bytes each SM keeps in flight; a warp holds its loads for one
+    # slot only, so throughput scales with resident warps. 8 CTAs x 256 threads = the full 2048
+    # threads of an SM, which caps ptxas at 32 registers per thread.
+    MIN_CTAS_PER_SM = 8
     DIMS_PER_LANE = HEAD_DIM // 32
     ROPE_FIRST_LANE = NOPE_DIM // DIMS_PER_LANE  # 28
     PAIRS_PER_LANE = DIMS_PER_LANE // 2  # 8 (cos, sin) pairs per RoPE lane
@@ -119,6 +123,8 @@ class KvRopeInsert:
             block=[32 * self.WARPS_PER_CTA, 1, 1],
             stream=stream,
             use_pdl=True,  # overlap our launch with the tail of the previous kernel
+            min_blocks_per_mp=self.MIN_CTAS_PER_SM,
+            preferred_smem_carveout=0,  # no shared memory: give the SM's unified memory to L1
         )
 
     @cute.kernel
@@ -139,16 +145,19 @@ class KvRopeInsert:
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
         if token < mSlot.shape[0]:
+            # The slot, the position and the kv row are independent loads: issue them together
+            # so a warp waits for two DRAM round trips (these, then cos/sin), not four.
             slot = mSlot[token]
+            position = du.load_i64_now(mPos.iterator.toint() + Int64(token) * 8)
+            tXgX = cute.local_tile(mKV[token, None], (self.DIMS_PER_LANE,), (lane,))
+            tXrX = cute.make_rmem_tensor((self.DIMS_PER_LANE,), BFloat16)
+            cute.autovec_copy(tXgX, tXrX)
             if slot >= 0:
-                tXgX = cute.local_tile(mKV[token, None], (self.DIMS_PER_LANE,), (lane,))
-                tXrX = cute.make_rmem_tensor((self.DIMS_PER_LANE,), BFloat16)
-                cute.autovec_copy(tXgX, tXrX)
                 tXrF = cute.make_rmem_tensor((self.DIMS_PER_LANE,), Float32)
                 tXrF.store(tXrX.load().to(Float32))
                 is_rope_lane = lane >= self.ROPE_FIRST_LANE
-                if is_rope_lane:
-                    self.apply_rope(tXrF, mCosSin, mPos[token], lane)
+                if is_rope_lane:  # skipped rows may carry any position: read cos/sin only here
+                    self.apply_rope(tXrF, mCosSin, position, lane)
 
                 block_size = Int64(mCache.shape[1])
                 page_index = slot // block_size
@@ -157,29 +166,34 @@ class KvRopeInsert:
                 if const_expr(self.fmt.packed):
                     self.store_packed(tXrF, page, row, block_size, lane, is_rope_lane)
                 else:
-                    row_addr = page + row * mCache.stride[1] + lane * (2 * self.DIMS_PER_LANE)
+                    row_start = page + row * mCache.stride[1]
                     if const_expr(self.fmt is CacheFormat.BF16):
-                        self.store_bf16(tXrX, tXrF, row_addr, is_rope_lane)
+                        row_addr = row_start + lane * (2 * self.DIMS_PER_LANE)
+                        self.store_bf16(tXrF, row_addr)
                     else:
-                        row_addr = page + row * mCache.stride[1] + lane * self.DIMS_PER_LANE
+                        row_addr = row_start + lane * self.DIMS_PER_LANE
                         self.store_fp8(tXrF, mScale, row_addr)
 
     @cute.jit
     def apply_rope(
         self, tXrF: cute.Tensor, mCosSin: cute.Tensor, position: Int64, lane: Int32
     ) -> None:
-        """GPT-J rotation of this lane's 8 pairs with cos/sin row ``position`` (cos | sin)."""
-        rope_lane = lane - self.ROPE_FIRST_LANE
+        """GPT-J rotation of this lane's 8 pairs with cos/sin row ``position`` (cos | sin).
+
+        Two rounds of 4 pairs, one 16-byte cos and one 16-byte sin vector each: holding all 16
+        cos/sin values next to the 16 data values would not fit the 32 registers that full
+        occupancy allows."""
         gCS = mCosSin[position, None]
-        tCrC = cute.make_rmem_tensor((self.PAIRS_PER_LANE,), Float32)
-        tCrS = cute.make_rmem_tensor((self.PAIRS_PER_LANE,), Float32)
-        cute.autovec_copy(cute.local_tile(gCS, (self.PAIRS_PER_LANE,), (rope_lane,)), tCrC)
-        sin_tile = rope_lane + (ROPE_DIM // 2) // self.PAIRS_PER_LANE
-        cute.autovec_copy(cute.local_tile(gCS, (self.PAIRS_PER_LANE,), (sin_tile,)), tCrS)
-        for j in cutlass.range_constexpr(self.PAIRS_PER_LANE):
-            rot_even, rot_odd = du.rotate_pair(tXrF[2 * j], tXrF[2 * j + 1], tCrC[j], tCrS[j])
-            tXrF[2 * j] = rot_even
-            tXrF[2 * j + 1] = rot_odd
+        first_pair = (lane - self.ROPE_FIRST_LANE) * self.PAIRS_PER_LANE
+        tCrC = cute.make_rmem_tensor((4,), Float32)
+        tCrS = cute.make_rmem_tensor((4,), Float32)
+        for half in cutlass.range_constexpr(self.PAIRS_PER_LANE // 4):
+            pair = first_pair + 4 * half
+            cute.autovec_copy(cute.local_tile(gCS, (4,), (pair // 4,)), tCrC)
+            cute.autovec_copy(cute.local_tile(gCS, (4,), ((pair + ROPE_DIM // 2) // 4,)), tCrS)
+            for j in cutlass.range_constexpr(4):
+                e = 2 * (4 * half + j)
+                tXrF[e], tXrF[e + 1] = du.rotate_pair(tXrF[e], tXrF[e + 1], tCrC[j], tCrS[j])
 
     @cute.jit
     def quantize_group(self, tXrF: cute.Tensor, tXrQ: cute.Tensor) -> Int32:
@@ -252,16 +266,13 @@ class KvRopeInsert:
             ptr.store(packed)
 
     @cute.jit
-    def store_bf16(
-        self, tXrX: cute.Tensor, tXrF: cute.Tensor, row_addr: Int64, is_rope_lane: cutlass.Boolean
-    ) -> None:
-        """NoPE dims: the input bits unchanged; RoPE dims: RNE of the fp32 rotation."""
+    def store_bf16(self, tXrF: cute.Tensor, row_addr: Int64) -> None:
+        """NoPE dims: the input bits unchanged (bf16 -> fp32 -> bf16 is exact, so the fp32 copy
+        is re-packed rather than keeping the raw registers alive); RoPE dims: RNE of the fp32
+        rotation."""
         tXrB = cute.make_rmem_tensor((self.DIMS_PER_LANE // 2,), Uint32)
-        if is_rope_lane:
-            for w in cutlass.range_constexpr(self.DIMS_PER_LANE // 2):
-                tXrB[w] = du.pack_bf16x2(tXrF[2 * w], tXrF[2 * w + 1])
-        else:
-            tXrB.store(cute.recast_tensor(tXrX, Uint32).load())
+        for w in cutlass.range_constexpr(self.DIMS_PER_LANE // 2):
+            tXrB[w] = du.pack_bf16x2(tXrF[2 * w], tXrF[2 * w + 1])
         du.store_words(row_addr, cute.local_tile(tXrB, (4,), (0,)))
         du.store_words(row_addr + 16, cute.local_tile(tXrB, (4,), (1,)))
 

@@ -28,7 +28,7 @@ def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     bp = s - prod
     err = (prod - (s - bp)) + (c64 - bp)
     odd = (s.view(torch.int64) & 1) == 1
-    toward = torch.where(err > 0, torch.full_like(s, float("inf")), torch.full_like(s, -float("inf")))
+    toward = torch.full_like(s, float("inf")).copysign(err)
     s = torch.where((err != 0) & ~odd, torch.nextafter(s, toward), s)
     return s.float()
 
@@ -36,7 +36,8 @@ def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 def rotate_gptj(
     x_even: torch.Tensor, x_odd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GPT-J RoPE pair, rounded as the kernels do: ``fma(e, c, -rn(o*s))``, ``fma(e, s, rn(o*c))``."""
+    """GPT-J RoPE pair, rounded as the kernels do:
+    ``fma(e, c, -rn(o*s))`` and ``fma(e, s, rn(o*c))``."""
     return fma_f32(x_even, cos, -(x_odd * sin)), fma_f32(x_even, sin, x_odd * cos)
 
 

@@ -9,9 +9,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from kv_insert_cases import FORMATS, make_case  # noqa: E402
+
 import cute_kernels  # noqa: E402
 from cute_kernels import reference  # noqa: E402
-from kv_insert_cases import FORMATS, make_case  # noqa: E402
 
 from .timing import Timer  # noqa: E402
 
@@ -26,13 +27,15 @@ def op_bytes(fmt: str, tokens: int) -> int:
     return tokens * (512 * 2 + 8 + 8 + 64 * 4 + record)
 
 
-def run(timer: Timer, ceiling: float, tokens=TOKENS, baselines: bool = True) -> list[dict]:
+def run(timer: Timer, ceiling: float, tokens=TOKENS, baselines: bool = True,
+        slot_pattern: str = "paged") -> list[dict]:
     rows = []
     compiled_ref = torch.compile(reference.kv_rope_insert, dynamic=True)
     for fmt in FORMATS:
         for t in tokens:
             case = make_case(fmt, t, BLOCK_SIZE, "cuda", extra_rows=0,
-                             positions_base=POSITIONS_BASE, seed=t, skip_every=0)
+                             positions_base=POSITIONS_BASE, seed=t, skip_every=0,
+                             slot_pattern=slot_pattern)
             args = case.args()
             # correctness of the timed call, once
             ref_backing, ref_cache = case.twin()
@@ -48,14 +51,15 @@ def run(timer: Timer, ceiling: float, tokens=TOKENS, baselines: bool = True) -> 
             cold = timer.cold_us(call)
             row = {
                 "kernel": "kv_rope_insert", "format": fmt, "tokens": t,
-                "block_size": BLOCK_SIZE, "bytes": nbytes, "exact": exact,
+                "block_size": BLOCK_SIZE, "slots": slot_pattern, "bytes": nbytes, "exact": exact,
                 "cold_us": cold, "hot_us": timer.hot_us(call), "host_us": timer.host_us(call),
                 "pct_of_copy_cold": 100 * nbytes / (cold * 1e-6) / ceiling,
             }
             if baselines:
                 ref_args = case.args(ref_cache)
-                row["ref_eager_us"] = timer.eager_cold_us(lambda: reference.kv_rope_insert(*ref_args))
-                row["ref_compile_us"] = timer.eager_cold_us(lambda: compiled_ref(*ref_args))
+                row["ref_eager_us"] = timer.eager_cold_us(
+                    lambda a=ref_args: reference.kv_rope_insert(*a))
+                row["ref_compile_us"] = timer.eager_cold_us(lambda a=ref_args: compiled_ref(*a))
             rows.append(row)
             print(f"  {fmt:<10} T={t:<7} cold {cold:8.1f} us  hot {row['hot_us']:8.2f} us  "
                   f"{row['pct_of_copy_cold']:5.1f}% copy  exact={exact}", flush=True)

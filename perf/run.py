@@ -53,6 +53,8 @@ def main() -> int:
     parser.add_argument("--kernel", default=None)
     parser.add_argument("--no-baselines", action="store_true")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--slots", default="paged", choices=("paged", "random"))
+    parser.add_argument("--tokens", default=None, help="comma-separated sizes (default: all)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         return compile_only()
@@ -69,7 +71,11 @@ def main() -> int:
     for name, bench in benches.items():
         if args.kernel in (None, name):
             print(f"--- {name}", flush=True)
-            rows += bench.run(timer, ceiling, baselines=not args.no_baselines)
+            sizes = {} if args.tokens is None else {
+                "tokens": tuple(int(t) for t in args.tokens.split(","))
+            }
+            rows += bench.run(timer, ceiling, baselines=not args.no_baselines,
+                              slot_pattern=args.slots, **sizes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(

@@ -51,7 +51,9 @@ def page_stride(block_size: int, width: int) -> int:
 def make_case(fmt: str, num_slots: int, block_size: int, device: str | torch.device,
               extra_rows: int = 3, seed: int = 42, kv_rows: int | None = None,
               max_pos: int | None = None, positions_base: int = 7,
-              skip_every: int = 5) -> KvInsertCase:
+              skip_every: int = 5, slot_pattern: str = "random") -> KvInsertCase:
+    """``slot_pattern``: "random" scatters every slot (the regression-test layout); "paged" is
+    what a paged allocator gives a prefill: pages in random order, slots consecutive inside."""
     dtype, mxfp8, width = FORMATS[fmt]
     gen = torch.Generator(device="cpu").manual_seed(seed)
     rows = kv_rows if kv_rows is not None else num_slots + extra_rows
@@ -64,7 +66,12 @@ def make_case(fmt: str, num_slots: int, block_size: int, device: str | torch.dev
     positions = (torch.arange(rows) + positions_base).to(device)
     angles = torch.randn(max_pos or rows + positions_base + 16, 32, generator=gen)
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1).to(device)
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_slots]
+    if slot_pattern == "random":
+        slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_slots]
+    else:
+        pages = torch.randperm(num_blocks, generator=gen)
+        t = torch.arange(num_slots)
+        slots = pages[t // block_size] * block_size + t % block_size
     if skip_every:
         slots[::skip_every] = -1
     scale = torch.tensor([0.7], device=device) if fmt == "fp8" else None

@@ -31,7 +31,8 @@ def _check_rounds(case, run) -> None:
         want = ref_backing.view(torch.uint8)
         mismatch = (got != want).nonzero()
         assert mismatch.numel() == 0, (
-            f"round {rnd}: {mismatch.numel()} bytes differ, first at {mismatch[:8].flatten().tolist()}"
+            f"round {rnd}: {mismatch.numel()} bytes differ, "
+            f"first at {mismatch[:8].flatten().tolist()}"
         )
         assert torch.equal(case.kv, kv_before), "kv must not be modified"
 

@@ -1,0 +1,34 @@
+"""A few calls of one kernel at one size, for Nsight Compute:
+
+    ncu --clock-control none -k regex:kernel --launch-skip 2 --launch-count 1 \\
+        python3 -m perf.ncu_target kv_rope_insert v4_packed 262144
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import cute_kernels  # noqa: E402
+
+
+def main() -> None:
+    kernel, fmt, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if kernel == "kv_rope_insert":
+        from kv_insert_cases import make_case
+
+        case = make_case(fmt, tokens, 64, "cuda", extra_rows=0, positions_base=1000,
+                         skip_every=0)
+        for _ in range(4):
+            cute_kernels.kv_rope_insert(*case.args())
+    else:
+        raise SystemExit(f"unknown kernel {kernel}")
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
