@@ -3,7 +3,9 @@
 Public API::
 
     kv_rope_insert(...)          DeepSeek V4/V4.1 KV-only RoPE + quantise + paged insert
-    check_kv_rope_insert(...)    its layout check (meta tensors welcome)
+    compress_c128(...)           DeepSeek V4 C128 compressor + RMSNorm + RoPE + fp8 store
+    check_kv_rope_insert(...), check_compress_c128(...)
+                                 their layout checks (meta tensors welcome)
     LayoutError                  raised for unsupported layouts, before any compile or launch
     precompile(arch=None)        build (or load from disk) every kernel variant up front
     set_strict(True)             any later compile raises StrictModeError
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from . import reference
 from .arch import SUPPORTED_ARCHS, arch_for
+from .c128_compressor import check_compress_c128, compress_c128
 from .compile_cache import (
     StrictModeError,
     cache_stats,
@@ -46,7 +49,9 @@ __all__ = [
     "LayoutError",
     "StrictModeError",
     "cache_stats",
+    "check_compress_c128",
     "check_kv_rope_insert",
+    "compress_c128",
     "kv_rope_insert",
     "precompile",
     "reference",

@@ -92,6 +92,28 @@ def rotate_pair(x_even: Float32, x_odd: Float32, cos: Float32, sin: Float32) -> 
     return rot_even, rot_odd
 
 
+def _pure_f32_asm(asm: str, *args: Float32) -> Float32:
+    """A side-effect-free one-result fp32 instruction (the scheduler may move and merge it)."""
+    value = llvm.inline_asm(
+        Float32.mlir_type,
+        [Float32(a).ir_value() for a in args],
+        asm,
+        "=f" + ",f" * len(args),
+        has_side_effects=False,
+    )
+    return Float32(value)
+
+
+def exp2_approx(x: Float32) -> Float32:
+    """``ex2.approx.ftz.f32`` (2 ulp): the exponential of the compressor's softmax."""
+    return _pure_f32_asm("ex2.approx.ftz.f32 $0, $1;", x)
+
+
+def rsqrt_approx(x: Float32) -> Float32:
+    """``rsqrt.approx.ftz.f32``: the RMSNorm reciprocal root (as vLLM's kernels use)."""
+    return _pure_f32_asm("rsqrt.approx.ftz.f32 $0, $1;", x)
+
+
 def round_to_bf16(x: Float32) -> Float32:
     """fp32 -> bf16 (round to nearest even) -> fp32."""
     return cute.arch.inline_ptx(
@@ -185,3 +207,17 @@ def load_i64_now(addr: Int64) -> Int64:
         has_side_effects=True,
     )
     return Int64(value)
+
+
+def load_peer_f32(smem_addr: Int32, peer_rank: Int32) -> Float32:
+    """Read an fp32 from the same shared-memory offset of CTA ``peer_rank`` of this cluster
+    (distributed shared memory). Needs a cluster barrier between the peer's write and this read."""
+    value = llvm.inline_asm(
+        Float32.mlir_type,
+        [Int32(smem_addr).ir_value(), Int32(peer_rank).ir_value()],
+        "{ .reg .b32 remote; mapa.shared::cluster.u32 remote, $1, $2;"
+        " ld.shared::cluster.f32 $0, [remote]; }",
+        "=f,r,r",
+        has_side_effects=True,
+    )
+    return Float32(value)

@@ -132,3 +132,93 @@ def kv_rope_insert(
             values = torch.cat([x[:, :NOPE_DIM], rope], dim=1)
             codes = (values * inv_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
             _scatter_rows(flat, row_start, codes.view(torch.uint8))
+
+
+# -- C128 compressor -------------------------------------------------------------------------------
+
+
+def c128_normed_windows(
+    state_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    token_to_req: torch.Tensor,
+    positions: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    tokens: torch.Tensor,
+) -> torch.Tensor:
+    """Float64 ``RMSNorm(softmax-pool(window))`` of the given boundary tokens, ``[M, 512]``."""
+    from .c128_compressor import HEAD_DIM, RATIO, STATE_BLOCK
+
+    start = positions[tokens] - (RATIO - 1)
+    pages_per_window = RATIO // STATE_BLOCK
+    page_index = (start // STATE_BLOCK).unsqueeze(1) + torch.arange(
+        pages_per_window, device=start.device
+    )
+    requests = token_to_req[tokens].long().unsqueeze(1)
+    pages = block_table[requests, page_index].long()  # [M, 16]
+    rows = state_cache[pages].double().reshape(len(tokens), RATIO, 2 * HEAD_DIM)
+    weights = torch.softmax(rows[..., HEAD_DIM:], dim=1)  # per column, over the 128 rows
+    pooled = (weights * rows[..., :HEAD_DIM]).sum(dim=1)
+    rstd = torch.rsqrt(pooled.square().mean(dim=1, keepdim=True) + eps)
+    return pooled * rstd * norm_weight.double()
+
+
+def compress_c128(
+    state_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    token_to_req: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    kv_slot_mapping: torch.Tensor,
+    kv_block_size: int,
+    fp8_scale: torch.Tensor | None = None,
+    chunk: int = 256,
+) -> None:
+    """Reference of :func:`cute_kernels.compress_c128` (specs/compress_c128.md), float64 inside;
+    every stored value is rounded once from float64. ``chunk`` bounds the float64 working set."""
+    from . import c128_compressor as c128
+
+    c128._validate(state_cache, block_table, token_to_req, positions, slot_mapping, norm_weight,
+                   eps, cos_sin_cache, k_cache, kv_slot_mapping, kv_block_size, fp8_scale,
+                   require_cuda=False)
+    fmt = c128.compress_format(k_cache)
+    boundary = (slot_mapping >= 0) & (kv_slot_mapping >= 0) & ((positions + 1) % c128.RATIO == 0)
+    flat, base = _storage_bytes(k_cache)
+    elem = k_cache.element_size()
+    boundary_tokens = torch.nonzero(boundary).flatten()
+    for tokens in boundary_tokens.split(chunk) if boundary_tokens.numel() else ():
+        y = c128_normed_windows(state_cache, block_table, token_to_req, positions, norm_weight,
+                                eps, tokens)
+        cos_sin = cos_sin_cache[positions[tokens] - (c128.RATIO - 1)].double()
+        half = ROPE_DIM // 2
+        e, o = y[:, NOPE_DIM::2], y[:, NOPE_DIM + 1 :: 2]
+        c, s = cos_sin[:, :half], cos_sin[:, half:]
+        rope = torch.stack([e * c - o * s, e * s + o * c], dim=-1).reshape(-1, ROPE_DIM)
+        slots = kv_slot_mapping[tokens]
+        page = base + (slots // kv_block_size) * k_cache.stride(0) * elem
+        row = slots % kv_block_size
+        if fmt is c128.CompressFormat.PACKED:
+            nope = y[:, :NOPE_DIM].to(torch.bfloat16).double()
+            grouped = nope.reshape(len(tokens), NOPE_DIM // 64, 64)
+            amax = grouped.abs().amax(dim=-1).clamp_min(1e-4)
+            exponent = torch.ceil(torch.log2(amax / 448.0))
+            scaled = (grouped * torch.pow(2.0, -exponent).unsqueeze(-1)).clamp(-448, 448)
+            codes = scaled.to(torch.float8_e4m3fn).view(torch.uint8).reshape(len(tokens), -1)
+            scales = (exponent + 127).clamp(0, 255).to(torch.uint8)
+            record = torch.cat([codes, rope.to(torch.bfloat16).view(torch.uint8)], dim=1)
+            _scatter_rows(flat, page + row * 576, record)
+            pad = torch.zeros_like(scales[:, :1])
+            _scatter_rows(flat, page + kv_block_size * 576 + row * 8,
+                          torch.cat([scales, pad], dim=1))
+        else:
+            values = torch.cat([y[:, :NOPE_DIM], rope], dim=1)
+            if fmt is c128.CompressFormat.BF16:
+                out = values.to(torch.bfloat16).view(torch.uint8)
+            else:
+                scaled = values.to(torch.bfloat16).double() / fp8_scale.double().reshape(1)
+                out = scaled.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+            _scatter_rows(flat, page + row * k_cache.stride(1) * elem, out)

@@ -59,7 +59,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         return compile_only()
 
-    from . import bench_kv_insert
+    from . import bench_c128, bench_kv_insert
     from .timing import Timer, copy_ceiling_bytes_per_s, environment
 
     env = environment()
@@ -67,7 +67,7 @@ def main() -> int:
     print(f"{env['gpu']} {env['date']}: copy ceiling {ceiling / 1e12:.3f} TB/s", flush=True)
     timer = Timer()
     rows: list[dict] = []
-    benches = {"kv_rope_insert": bench_kv_insert}
+    benches = {"kv_rope_insert": bench_kv_insert, "compress_c128": bench_c128}
     for name, bench in benches.items():
         if args.kernel in (None, name):
             print(f"--- {name}", flush=True)

@@ -1,0 +1,70 @@
+"""C128 compressor benchmark: cute_kernels vs the PyTorch reference (eager, torch.compile)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from c128_cases import make_case  # noqa: E402
+
+import cute_kernels  # noqa: E402
+from cute_kernels import reference  # noqa: E402
+
+from .timing import Timer  # noqa: E402
+
+KV_BLOCK_SIZE = 2
+# (label, tokens, boundary_every): "all" = every token on a boundary, "mix" = one in 128
+CASES = (("all", 1, None), ("all", 32, None), ("all", 128, None), ("all", 512, None),
+         ("all", 4096, None), ("mix", 512, 128), ("mix", 4096, 128), ("none", 512, 0))
+STATE_BYTES_PER_WINDOW = 128 * 1024 * 4
+
+
+def op_bytes(case) -> int:
+    """Index reads of every token, 512 KiB of state + 16 page ids per boundary token, records."""
+    tokens = case.positions.shape[0]
+    windows = int(case.boundary.sum())
+    return tokens * (4 + 8 + 8 + 8) + windows * (STATE_BYTES_PER_WINDOW + 16 * 4 + 256 + 584)
+
+
+def run(timer: Timer, ceiling: float, baselines: bool = True, **_) -> list[dict]:
+    rows = []
+    compiled_ref = torch.compile(reference.compress_c128, dynamic=True)
+    for label, tokens, every in CASES:
+        case = make_case("packed584", tokens, KV_BLOCK_SIZE, "cuda", seed=tokens,
+                         boundary_every=every, negative_slots=False, distinct_windows=True)
+        args = case.args()
+        ref_backing, ref_cache = case.fresh_cache()
+        reference.compress_c128(*case.args(ref_cache))
+        cute_kernels.compress_c128(*args)
+        torch.cuda.synchronize()
+        # fraction of cache bytes equal to the float64 reference's (exactness is not expected)
+        same = round(float((case.backing.view(torch.uint8) == ref_backing.view(torch.uint8))
+                           .double().mean()), 6)
+
+        def call(args=args):
+            cute_kernels.compress_c128(*args)
+
+        nbytes = op_bytes(case)
+        cold = timer.cold_us(call)
+        row = {
+            "kernel": "compress_c128", "format": f"{label} ({int(case.boundary.sum())} windows)",
+            "tokens": tokens, "kv_block_size": KV_BLOCK_SIZE, "bytes": nbytes,
+            "exact": same, "cold_us": cold, "hot_us": timer.hot_us(call),
+            "host_us": timer.host_us(call),
+            "pct_of_copy_cold": 100 * nbytes / (cold * 1e-6) / ceiling,
+        }
+        if baselines:
+            ref_args = case.args(ref_cache)
+            row["ref_eager_us"] = timer.eager_cold_us(
+                lambda a=ref_args: reference.compress_c128(*a), reps=5)
+            row["ref_compile_us"] = timer.eager_cold_us(lambda a=ref_args: compiled_ref(*a),
+                                                        reps=5)
+        rows.append(row)
+        print(f"  {row['format']:<20} T={tokens:<5} cold {cold:8.1f} us  hot {row['hot_us']:8.2f}"
+              f" us  {row['pct_of_copy_cold']:5.1f}% copy", flush=True)
+        del case, ref_backing, ref_cache
+    return rows

@@ -1,0 +1,247 @@
+"""C128 compressor on the CPU: the float64 reference against first principles, every rejection
+(meta and CPU tensors), and one compile key for every token count."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from c128_cases import FORMATS, POISON, make_case
+
+import cute_kernels
+from cute_kernels import LayoutError, check_compress_c128, reference
+from cute_kernels.c128_compressor import CompressC128Key, CompressFormat, _validate
+
+
+def _window_loop(case, token: int) -> torch.Tensor:
+    """One token's normed window, written out row by row in float64."""
+    pos = int(case.positions[token])
+    req = int(case.token_to_req[token])
+    rows = []
+    for p in range(pos - 127, pos + 1):
+        page = int(case.block_table[req, p // 8])
+        rows.append(case.state_cache[page, p % 8].double())
+    rows = torch.stack(rows)
+    kv, score = rows[:, :512], rows[:, 512:]
+    weights = torch.exp(score - score.max(0).values) / torch.exp(score - score.max(0).values).sum(0)
+    x = (weights * kv).sum(0)
+    return x / torch.sqrt((x * x).mean() + case.eps) * case.norm_weight.double()
+
+
+def test_normed_windows_match_a_row_by_row_computation():
+    case = make_case("packed584", 40, 2, "cpu")
+    tokens = torch.nonzero(case.boundary).flatten()
+    y = reference.c128_normed_windows(case.state_cache, case.block_table, case.token_to_req,
+                                      case.positions, case.norm_weight, case.eps, tokens)
+    for i, t in enumerate(tokens.tolist()[:5]):
+        torch.testing.assert_close(y[i], _window_loop(case, t), rtol=1e-12, atol=1e-12)
+
+
+def _record(case, token: int):
+    slot = int(case.kv_slot_mapping[token])
+    kb = case.kv_block_size
+    page = (slot // kb) * case.k_cache.stride(0)
+    flat = case.backing.view(torch.uint8)
+    data = flat[page + (slot % kb) * 576 : page + (slot % kb) * 576 + 576]
+    scales = flat[page + kb * 576 + (slot % kb) * 8 : page + kb * 576 + (slot % kb) * 8 + 8]
+    return data, scales
+
+
+def test_packed_record_quantises_and_rotates_the_normed_window():
+    case = make_case("packed584", 40, 2, "cpu")
+    reference.compress_c128(*case.args())
+    for token in torch.nonzero(case.boundary).flatten().tolist()[:6]:
+        y = _window_loop(case, token)
+        data, scales = _record(case, token)
+        assert scales[7] == 0
+        q = y[:448].to(torch.bfloat16).double().reshape(7, 64)
+        for g in range(7):
+            e = math.ceil(math.log2(max(q[g].abs().max().item(), 1e-4) / 448))
+            assert scales[g] - 127 == e
+            decoded = data[64 * g : 64 * g + 64].view(torch.float8_e4m3fn).double() * 2.0**e
+            assert bool(((decoded - q[g]).abs() <= q[g].abs() * 2**-4 + 2.0 ** (e - 9)).all())
+        start = int(case.positions[token]) - 127
+        cos, sin = case.cos_sin_cache[start, :32].double(), case.cos_sin_cache[start, 32:].double()
+        e_, o_ = y[448::2], y[449::2]
+        rope = torch.stack([e_ * cos - o_ * sin, e_ * sin + o_ * cos], -1).flatten()
+        got = data[448:].view(torch.bfloat16).double()
+        assert bool(((got - rope).abs() <= rope.abs() * 2**-8 + 1e-30).all())
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_only_boundary_tokens_with_both_slots_write(fmt):
+    case = make_case(fmt, 77, 2, "cpu")
+    reference.compress_c128(*case.args())
+    changed = int((case.backing.view(torch.uint8) != POISON).sum())
+    width = {"packed584": 584, "bf16": 1024, "fp8": 512}[fmt]
+    assert 0 < changed <= int(case.boundary.sum()) * width
+    assert int(case.boundary.sum()) < int(((case.positions + 1) % 128 == 0).sum())  # some skipped
+
+
+def test_no_boundary_writes_nothing():
+    case = make_case("bf16", 64, 2, "cpu", boundary_every=0)
+    reference.compress_c128(*case.args())
+    assert bool((case.backing.view(torch.uint8) == POISON).all())
+
+
+def test_full_caches_hold_the_rounded_values():
+    for fmt in ("bf16", "fp8"):
+        case = make_case(fmt, 20, 64, "cpu")
+        reference.compress_c128(*case.args())
+        token = int(torch.nonzero(case.boundary).flatten()[0])
+        slot = int(case.kv_slot_mapping[token])
+        row = case.k_cache[slot // 64, slot % 64].double()
+        y = _window_loop(case, token)
+        if fmt == "bf16":
+            torch.testing.assert_close(row[:448], y[:448].to(torch.bfloat16).double())
+        else:
+            want = (y[:448].to(torch.bfloat16).double() / 0.05).clamp(-448, 448)
+            assert bool(((row[:448] - want).abs() <= want.abs() * 2**-4 + 2**-9).all())
+
+
+def test_one_compile_key_for_every_token_count(monkeypatch):
+    monkeypatch.setenv("CUTE_KERNELS_ARCH", "sm_90a")
+    keys = set()
+    for tokens in (1, 17, 1024, 4096):
+        args = [a.to("meta") if isinstance(a, torch.Tensor) else a
+                for a in make_case("packed584", tokens, 2, "cpu").args()]
+        keys.add(_validate(*args, require_cuda=False))
+    assert keys == {CompressC128Key(CompressFormat.PACKED, "bf16", "sm_90a")}
+
+
+# -- rejections -----------------------------------------------------------------------------
+
+NAMES = ("state_cache", "block_table", "token_to_req", "positions", "slot_mapping",
+         "norm_weight", "eps", "cos_sin_cache", "k_cache", "kv_slot_mapping", "kv_block_size",
+         "fp8_scale")
+
+
+def _meta(t):
+    if not isinstance(t, torch.Tensor):
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _args(device, fmt="packed584", **overrides):
+    case = make_case(fmt, 16, 2, "cpu")
+    args = dict(zip(NAMES, case.args(), strict=True))
+    if device == "meta":
+        args = {k: _meta(v) for k, v in args.items()}
+    for key, value in overrides.items():
+        args[key] = value(args) if callable(value) else value
+    return args
+
+
+def _new(t, shape, dtype=None, stride=None):
+    dtype = dtype or t.dtype
+    if stride is None:
+        return torch.empty(shape, dtype=dtype, device=t.device)
+    return torch.empty_strided(shape, stride, dtype=dtype, device=t.device)
+
+
+def _rejects(args, *fragments):
+    with pytest.raises(LayoutError) as err:
+        check_compress_c128(**args)
+    msg = str(err.value)
+    assert all(f in msg for f in fragments) and "expected" in msg, msg
+
+
+REJECTIONS = {
+    "state_dtype": (dict(state_cache=lambda a: _new(a["state_cache"], (4, 8, 1024),
+                                                    torch.bfloat16)), ("state_cache", "float32")),
+    "state_block_size_4": (dict(state_cache=lambda a: _new(a["state_cache"], (4, 4, 1024))),
+                           ("state_cache", "block size 8")),
+    "state_overlap_width": (dict(state_cache=lambda a: _new(a["state_cache"], (4, 8, 2048))),
+                            ("state_cache", "no overlap")),
+    "state_head_256": (dict(state_cache=lambda a: _new(a["state_cache"], (4, 8, 512))),
+                       ("state_cache", "1024")),
+    "state_rank": (dict(state_cache=lambda a: _new(a["state_cache"], (32, 1024))),
+                   ("state_cache", "3-D")),
+    "state_row_stride": (dict(state_cache=lambda a: _new(a["state_cache"], (4, 8, 1024),
+                                                         stride=(8 * 1040, 1040, 1))),
+                         ("state_cache", "row stride 1024")),
+    "state_pages_overlap": (dict(state_cache=lambda a: _new(a["state_cache"], (4, 8, 1024),
+                                                            stride=(4096, 1024, 1))),
+                            ("state_cache", "pages must not overlap")),
+    "state_page_stride_16B": (dict(state_cache=lambda a: _new(a["state_cache"], (4, 8, 1024),
+                                                              stride=(8194, 1024, 1))),
+                              ("state_cache", "multiple of 16 bytes")),
+    "block_table_dtype": (dict(block_table=lambda a: a["block_table"].long()),
+                          ("block_table", "int32")),
+    "block_table_rank": (dict(block_table=lambda a: a["block_table"].flatten()),
+                         ("block_table", "2-D")),
+    "block_table_strided": (dict(block_table=lambda a: _new(a["block_table"], (4, 10),
+                                                            stride=(1, 4))),
+                            ("block_table", "unit stride")),
+    "token_to_req_dtype": (dict(token_to_req=lambda a: a["token_to_req"].long()),
+                           ("token_to_req", "int32")),
+    "positions_dtype": (dict(positions=lambda a: a["positions"].int()), ("positions", "int64")),
+    "slot_mapping_dtype": (dict(slot_mapping=lambda a: a["slot_mapping"].int()),
+                           ("slot_mapping", "int64")),
+    "kv_slot_dtype": (dict(kv_slot_mapping=lambda a: a["kv_slot_mapping"].int()),
+                      ("kv_slot_mapping", "int64")),
+    "kv_slot_length": (dict(kv_slot_mapping=lambda a: a["kv_slot_mapping"][:-1]),
+                       ("kv_slot_mapping", "one per token")),
+    "slots_not_contiguous": (dict(slot_mapping=lambda a: _new(a["slot_mapping"], (16,),
+                                                              stride=(2,))),
+                             ("slot_mapping", "contiguous")),
+    "norm_weight_dtype": (dict(norm_weight=lambda a: a["norm_weight"].half()),
+                          ("norm_weight", "bfloat16")),
+    "norm_weight_width": (dict(norm_weight=lambda a: a["norm_weight"][:256]),
+                          ("norm_weight", "512")),
+    "eps_negative": (dict(eps=-1.0), ("eps", "non-negative")),
+    "cos_sin_dtype": (dict(cos_sin_cache=lambda a: a["cos_sin_cache"].double()),
+                      ("cos_sin_cache", "float32")),
+    "cos_sin_width": (dict(cos_sin_cache=lambda a: a["cos_sin_cache"][:, :32].contiguous()),
+                      ("cos_sin_cache", "64")),
+    "k_cache_rank": (dict(k_cache=lambda a: a["k_cache"][0]), ("k_cache", "3-D")),
+    "k_cache_dtype": (dict(k_cache=lambda a: _new(a["k_cache"], (4, 2, 584), torch.float16)),
+                      ("k_cache", "torch.uint8")),
+    "k_cache_width_528": (dict(k_cache=lambda a: _new(a["k_cache"], (4, 2, 528))),
+                          ("k_cache", "record width 584")),
+    "k_cache_inner_stride": (dict(k_cache=lambda a: _new(a["k_cache"], (4, 2, 584),
+                                                         stride=(2400, 1200, 2))),
+                             ("k_cache", "stride 1 in dim 2")),
+    "kv_block_size_mismatch": (dict(kv_block_size=64), ("kv_block_size", "k_cache.shape[1]")),
+    "kv_block_size_type": (dict(kv_block_size=2.0), ("kv_block_size", "positive int")),
+    "index_on_other_device": (dict(positions=lambda a: torch.empty(
+        16, dtype=torch.int64, device="cpu" if a["state_cache"].is_meta else "meta")),
+        ("positions", "state_cache's device")),
+}
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+@pytest.mark.parametrize("name", list(REJECTIONS))
+def test_rejection(device, name):
+    overrides, fragments = REJECTIONS[name]
+    _rejects(_args(device, **overrides), *fragments)
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_fp8_cache_without_scale(device):
+    _rejects(_args(device, "fp8", fp8_scale=None), "fp8_scale", "float32")
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_fp8_scale_numel(device):
+    _rejects(_args(device, "fp8", fp8_scale=lambda a: _new(a["fp8_scale"], (2,))),
+             "fp8_scale", "one element")
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_unsupported_arch(device, monkeypatch):
+    monkeypatch.setenv("CUTE_KERNELS_ARCH", "sm_89")
+    with pytest.raises(LayoutError, match="arch: expected one of"):
+        check_compress_c128(**_args(device))
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_accepts_supported_layouts(device, fmt):
+    assert check_compress_c128(**_args(device, fmt)) is None
+
+
+def test_kernel_needs_cuda_tensors():
+    with pytest.raises(LayoutError, match="state_cache: expected a CUDA tensor"):
+        cute_kernels.compress_c128(**_args("cpu"))
