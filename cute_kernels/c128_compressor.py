@@ -25,6 +25,8 @@ from .validation import (
     expect_base_aligned,
     expect_contiguous,
     expect_dtype,
+    expect_fp8_scale,
+    expect_paged_cache_strides,
     expect_rank,
     expect_same_device,
     expect_size,
@@ -546,30 +548,12 @@ def _validate(
         fail("kv_block_size", "a positive int", repr(kv_block_size))
     if k_cache.shape[1] != kv_block_size:
         fail("kv_block_size", f"k_cache.shape[1] = {k_cache.shape[1]}", kv_block_size)
-    if k_cache.stride(2) != 1:
-        fail("k_cache", "stride 1 in dim 2", f"strides {k_cache.stride()}")
-    elem = k_cache.element_size()
-    if fmt is CompressFormat.PACKED:
-        page_bytes = kv_block_size * fmt.record_width
-        expect_stride_multiple(k_cache, "k_cache", [0], 4)
-    else:
-        if k_cache.stride(1) < HEAD_DIM:
-            fail("k_cache", f"stride(1) >= {HEAD_DIM} (rows must not overlap)", k_cache.stride())
-        page_bytes = kv_block_size * k_cache.stride(1) * elem
-        expect_stride_multiple(k_cache, "k_cache", [0, 1], 4)
-    if k_cache.shape[0] > 1 and k_cache.stride(0) * elem < page_bytes:
-        fail("k_cache", f"page stride >= {page_bytes} bytes (pages must not overlap)",
-             f"{k_cache.stride(0) * elem} bytes")
-    expect_base_aligned(k_cache, "k_cache", 4)
+    # 2-byte code pairs and 4-byte bf16 pairs are the widest stores
+    expect_paged_cache_strides(k_cache, "k_cache", kv_block_size, fmt.record_width,
+                               fmt is CompressFormat.PACKED, 4)
 
     if fmt is CompressFormat.FP8:
-        if fp8_scale is None:
-            fail("fp8_scale", "a float32 tensor of one element for a float8_e4m3fn cache", None)
-        expect_tensor(fp8_scale, "fp8_scale")
-        expect_same_device(fp8_scale, "fp8_scale", device, "state_cache")
-        expect_dtype(fp8_scale, "fp8_scale", torch.float32)
-        if fp8_scale.numel() != 1:
-            fail("fp8_scale", "one element", f"shape {tuple(fp8_scale.shape)}")
+        expect_fp8_scale(fp8_scale, device, "state_cache")
 
     arch = arch_for(device)
     norm = "bf16" if norm_weight.dtype == torch.bfloat16 else "fp32"

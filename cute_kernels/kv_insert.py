@@ -24,10 +24,11 @@ from .validation import (
     expect_base_aligned,
     expect_contiguous,
     expect_dtype,
+    expect_fp8_scale,
+    expect_paged_cache_strides,
     expect_rank,
     expect_same_device,
     expect_size,
-    expect_stride_multiple,
     expect_tensor,
     fail,
 )
@@ -359,21 +360,8 @@ def _validate(
             + (f" (kv_mxfp8={bool(kv_mxfp8)})" if fmt.packed else ""),
             f"shape {tuple(k_cache.shape)}",
         )
-    if k_cache.stride(2) != 1:
-        fail("k_cache", "stride 1 in dim 2", f"strides {k_cache.stride()}")
-    elem = k_cache.element_size()
-    if fmt.packed:  # records then scales, segregated per page; stride(1) is not used
-        page_bytes = block_size * fmt.record_width
-        expect_stride_multiple(k_cache, "k_cache", [0], VECTOR_BYTES)
-    else:
-        if k_cache.stride(1) < HEAD_DIM:
-            fail("k_cache", f"stride(1) >= {HEAD_DIM} (rows must not overlap)", k_cache.stride())
-        page_bytes = block_size * k_cache.stride(1) * elem
-        expect_stride_multiple(k_cache, "k_cache", [0, 1], VECTOR_BYTES)
-    if k_cache.shape[0] > 1 and k_cache.stride(0) * elem < page_bytes:
-        fail("k_cache", f"page stride >= {page_bytes} bytes (pages must not overlap)",
-             f"{k_cache.stride(0) * elem} bytes")
-    expect_base_aligned(k_cache, "k_cache", VECTOR_BYTES)
+    expect_paged_cache_strides(k_cache, "k_cache", block_size, fmt.record_width, fmt.packed,
+                               VECTOR_BYTES)
 
     for name, t in (("slot_mapping", slot_mapping), ("positions", positions)):
         expect_tensor(t, name)
@@ -396,13 +384,7 @@ def _validate(
     expect_base_aligned(kv, "kv", VECTOR_BYTES)
 
     if fmt is CacheFormat.FP8:
-        if fp8_scale is None:
-            fail("fp8_scale", "a float32 tensor of one element for a float8_e4m3fn cache", None)
-        expect_tensor(fp8_scale, "fp8_scale")
-        expect_same_device(fp8_scale, "fp8_scale", device, "kv")
-        expect_dtype(fp8_scale, "fp8_scale", torch.float32)
-        if fp8_scale.numel() != 1:
-            fail("fp8_scale", "one element", f"shape {tuple(fp8_scale.shape)}")
+        expect_fp8_scale(fp8_scale, device, "kv")
 
     arch = arch_for(device)
     return KvInsertKey(fmt, arch) if arch is not None else None

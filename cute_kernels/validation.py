@@ -79,3 +79,38 @@ def expect_base_aligned(t: torch.Tensor, arg: str, align_bytes: int) -> None:
         return
     if t.data_ptr() % align_bytes:
         fail(arg, f"a data pointer aligned to {align_bytes} bytes", hex(t.data_ptr()))
+
+
+def expect_paged_cache_strides(
+    k_cache: torch.Tensor, arg: str, block_size: int, record_width: int, packed: bool,
+    align_bytes: int,
+) -> None:
+    """A paged cache ``[pages, block_size, W]``: unit inner stride, strides in multiples of
+    ``align_bytes``, and pages (and, for plain caches, rows) that do not overlap. Packed caches
+    hold a page as ``block_size`` records followed by their scales, so ``stride(1)`` is unused."""
+    if k_cache.stride(2) != 1:
+        fail(arg, "stride 1 in dim 2", f"strides {k_cache.stride()}")
+    elem = k_cache.element_size()
+    if packed:
+        page_bytes = block_size * record_width * elem
+        expect_stride_multiple(k_cache, arg, [0], align_bytes)
+    else:
+        if k_cache.stride(1) < record_width:
+            fail(arg, f"stride(1) >= {record_width} (rows must not overlap)", k_cache.stride())
+        page_bytes = block_size * k_cache.stride(1) * elem
+        expect_stride_multiple(k_cache, arg, [0, 1], align_bytes)
+    if k_cache.shape[0] > 1 and k_cache.stride(0) * elem < page_bytes:
+        fail(arg, f"page stride >= {page_bytes} bytes (pages must not overlap)",
+             f"{k_cache.stride(0) * elem} bytes")
+    expect_base_aligned(k_cache, arg, align_bytes)
+
+
+def expect_fp8_scale(fp8_scale: object, device: torch.device, ref_arg: str) -> None:
+    """The per-tensor scale of a float8_e4m3fn cache: one fp32 element, read on the device."""
+    if fp8_scale is None:
+        fail("fp8_scale", "a float32 tensor of one element for a float8_e4m3fn cache", None)
+    expect_tensor(fp8_scale, "fp8_scale")
+    expect_same_device(fp8_scale, "fp8_scale", device, ref_arg)
+    expect_dtype(fp8_scale, "fp8_scale", torch.float32)
+    if fp8_scale.numel() != 1:
+        fail("fp8_scale", "one element", f"shape {tuple(fp8_scale.shape)}")
