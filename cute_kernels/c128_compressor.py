@@ -200,6 +200,13 @@ class CompressC128:
                 token_pos = cute.arch.shuffle_sync(pos, offset=src)
                 token_kv_slot = cute.arch.shuffle_sync(kv_slot, offset=src)
                 self.pool_rows(tKrK, tSrS, sStat, warp, lane)
+                parity = processed % 2
+                x = cute.make_rmem_tensor((2,), Float32)
+                if warp == 0:
+                    self.merge_warps(sStat, sSumSq, x, parity, lane)
+                    # release: the partial sum is visible to the peers after their wait (and
+                    # warp 0 is done with sStat before any warp rewrites it)
+                    cute.arch.cluster_arrive()
                 if mask != Uint32(0):
                     self.load_window(mState, page0, page1, tKrK, tSrS, rank, lane)
                     rest = mask & (mask - Uint32(1))
@@ -207,10 +214,16 @@ class CompressC128:
                         page0, page1 = self.window_pages(
                             mTokenReq, mBlockTable, t_safe, pos, self.lowest_lane(rest), warp
                         )
-                self.finish_token(
-                    mNormW, eps, mCosSin, mCache, mScale, sStat, sSumSq, token_pos,
-                    token_kv_slot, processed % 2, rank, warp, lane,
-                )
+                if warp != 0:
+                    # these warps published nothing: a releasing arrive would first wait for
+                    # the loads just issued, which must instead stay in flight over the barrier
+                    cute.arch.cluster_arrive_relaxed()
+                cute.arch.cluster_wait()
+                if warp == 0:
+                    self.normalize_store(
+                        x, mNormW, eps, mCosSin, mCache, mScale, sSumSq, token_pos,
+                        token_kv_slot, parity, rank, lane,
+                    )
                 processed = processed + 1
         # A CTA's shared memory must outlive its peers' last remote read.
         cute.arch.cluster_arrive()
@@ -304,65 +317,60 @@ class CompressC128:
         cute.arch.sync_threads()
 
     @cute.jit
-    def finish_token(
+    def merge_warps(
+        self, sStat: cute.Tensor, sSumSq: cute.Tensor, x: cute.Tensor, parity: Int32, lane: Int32
+    ) -> None:
+        """Warp 0: merge the 8 warps' triples into the pooled values ``x`` of columns
+        ``2 lane, 2 lane + 1`` and publish the CTA's sum of squares in ``sSumSq[parity]``."""
+        for c in cutlass.range_constexpr(2):
+            col = 2 * lane + c
+            total_max = sStat[0, 0, col]
+            for k in cutlass.range_constexpr(1, self.WARPS):
+                total_max = cute.arch.fmax(total_max, sStat[0, k, col])
+            exp_sum = Float32(0.0)
+            weighted = Float32(0.0)
+            for k in cutlass.range_constexpr(self.WARPS):
+                rescale = du.exp2_approx((sStat[0, k, col] - total_max) * LOG2_E)
+                exp_sum = exp_sum + sStat[1, k, col] * rescale
+                weighted = weighted + sStat[2, k, col] * rescale
+            x[c] = du.div_rn(weighted, exp_sum)
+        sum_sq = x[0] * x[0] + x[1] * x[1]
+        for offset in (16, 8, 4, 2, 1):
+            sum_sq = sum_sq + cute.arch.shuffle_sync_bfly(sum_sq, offset=offset)
+        if lane == 0:
+            sSumSq[parity] = sum_sq
+
+    @cute.jit
+    def normalize_store(
         self,
+        x: cute.Tensor,
         mNormW: cute.Tensor,
         eps: Float32,
         mCosSin: cute.Tensor,
         mCache: cute.Tensor,
         mScale: cute.Tensor | None,
-        sStat: cute.Tensor,
         sSumSq: cute.Tensor,
         pos: Int64,
         kv_slot: Int64,
         parity: Int32,
         rank: Int32,
-        warp: Int32,
         lane: Int32,
     ) -> None:
-        """Merge the 8 warps, RMSNorm across the cluster, quantise / rotate and store."""
-        window_start = pos - (RATIO - 1)
-
-        # -- warp 0: merge the 8 warps, two columns per lane ---------------------------------
-        x = cute.make_rmem_tensor((2,), Float32)
-        if warp == 0:
-            for c in cutlass.range_constexpr(2):
-                col = 2 * lane + c
-                total_max = sStat[0, 0, col]
-                for k in cutlass.range_constexpr(1, self.WARPS):
-                    total_max = cute.arch.fmax(total_max, sStat[0, k, col])
-                exp_sum = Float32(0.0)
-                weighted = Float32(0.0)
-                for k in cutlass.range_constexpr(self.WARPS):
-                    rescale = du.exp2_approx((sStat[0, k, col] - total_max) * LOG2_E)
-                    exp_sum = exp_sum + sStat[1, k, col] * rescale
-                    weighted = weighted + sStat[2, k, col] * rescale
-                x[c] = du.div_rn(weighted, exp_sum)
-            sum_sq = x[0] * x[0] + x[1] * x[1]
-            for offset in (16, 8, 4, 2, 1):
-                sum_sq = sum_sq + cute.arch.shuffle_sync_bfly(sum_sq, offset=offset)
-            if lane == 0:
-                sSumSq[parity] = sum_sq
-        # Every thread of the 8 CTAs: the partial sums are written (release) and visible
-        # (acquire). Also a CTA barrier: warp 0 is done with sStat before anyone rewrites it.
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-
-        if warp == 0:
-            slot_addr = Int32((sSumSq.iterator + parity).toint())
-            partial = du.load_peer_f32(slot_addr, lane % self.CLUSTER)
-            if lane >= self.CLUSTER:
-                partial = Float32(0.0)
-            # butterfly over lanes 0..7 in a fixed shape: the same bits in every CTA
-            for offset in (4, 2, 1):
-                partial = partial + cute.arch.shuffle_sync_bfly(partial, offset=offset)
-            total = cute.arch.shuffle_sync(partial, offset=0)
-            rstd = du.rsqrt_approx(total * (1.0 / HEAD_DIM) + eps)
-            y = cute.make_rmem_tensor((2,), Float32)
-            for c in cutlass.range_constexpr(2):
-                weight = mNormW[rank * GROUP + 2 * lane + c].to(Float32)
-                y[c] = x[c] * rstd * weight
-            self.store(y, mCosSin, mCache, mScale, window_start, kv_slot, rank, lane)
+        """Warp 0, after the cluster barrier: sum the 8 CTAs' partial sums (distributed shared
+        memory, fixed order: the same bits in every CTA), RMSNorm, then quantise/rotate/store."""
+        slot_addr = Int32((sSumSq.iterator + parity).toint())
+        partial = du.load_peer_f32(slot_addr, lane % self.CLUSTER)
+        if lane >= self.CLUSTER:
+            partial = Float32(0.0)
+        for offset in (4, 2, 1):
+            partial = partial + cute.arch.shuffle_sync_bfly(partial, offset=offset)
+        total = cute.arch.shuffle_sync(partial, offset=0)
+        rstd = du.rsqrt_approx(total * (1.0 / HEAD_DIM) + eps)
+        y = cute.make_rmem_tensor((2,), Float32)
+        for c in cutlass.range_constexpr(2):
+            weight = mNormW[rank * GROUP + 2 * lane + c].to(Float32)
+            y[c] = x[c] * rstd * weight
+        self.store(y, mCosSin, mCache, mScale, pos - (RATIO - 1), kv_slot, rank, lane)
 
     @cute.jit
     def store(

@@ -1,0 +1,53 @@
+"""The public surface: names, custom ops, error type, precompile + strict mode."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import cute_kernels
+from cute_kernels import compile_cache
+
+
+def test_layout_error_is_a_value_error():
+    assert issubclass(cute_kernels.LayoutError, ValueError)
+
+
+@pytest.mark.parametrize("name", ["kv_rope_insert", "compress_c128"])
+def test_public_function_reference_check_and_op_share_one_signature(name):
+    fn = getattr(cute_kernels, name)
+    ref = getattr(cute_kernels.reference, name)
+    check = getattr(cute_kernels, f"check_{name}")
+    params = list(inspect.signature(fn).parameters)
+    assert list(inspect.signature(check).parameters) == params
+    assert list(inspect.signature(ref).parameters)[: len(params)] == params
+    op = getattr(torch.ops.cute_kernels, name)
+    assert [a.name for a in op.default._schema.arguments] == params
+    assert op.default._schema.arguments[params.index("k_cache")].alias_info.is_write
+
+
+def test_kv_rope_insert_argument_order_matches_vllm():
+    assert list(inspect.signature(cute_kernels.kv_rope_insert).parameters) == [
+        "kv", "k_cache", "slot_mapping", "positions", "cos_sin_cache", "block_size",
+        "fp8_scale", "kv_mxfp8"]
+
+
+def test_precompile_then_strict(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUTE_KERNELS_CACHE_DIR", str(tmp_path))
+    cute_kernels.precompile(arch="sm_100a", kernels=["kv_rope_insert"])
+    stats = cute_kernels.cache_stats()
+    cache = compile_cache.families()["kv_rope_insert"]
+    cute_kernels.set_strict(True)
+    try:
+        for key in cache.variants("sm_100a"):  # warm: no compile, no error
+            cache.get(key)
+        assert cute_kernels.cache_stats()["compiles"] == stats["compiles"]
+    finally:
+        cute_kernels.set_strict(False)
+
+
+def test_precompile_rejects_unknown_arch():
+    with pytest.raises(cute_kernels.LayoutError, match="arch"):
+        cute_kernels.precompile(arch="sm_75")
