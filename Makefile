@@ -10,6 +10,8 @@ PY := .venv/bin/python
 ENV_DEP := .venv/.installed
 endif
 
+PYTEST_ARGS ?=
+
 .PHONY: test perf compile lint clean
 
 .venv/.installed: requirements-test.txt
@@ -19,7 +21,7 @@ endif
 	touch $@
 
 test: $(ENV_DEP)
-	$(PY) -m pytest -q -rs tests; rc=$$?; \
+	$(PY) -m pytest -q -rs $(PYTEST_ARGS) tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; rc=0; fi; exit $$rc
 
 perf: $(ENV_DEP)

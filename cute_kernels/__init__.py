@@ -4,7 +4,8 @@ Public API::
 
     kv_rope_insert(...)          DeepSeek V4/V4.1 KV-only RoPE + quantise + paged insert
     compress_c128(...)           DeepSeek V4 C128 compressor + RMSNorm + RoPE + fp8 store
-    check_kv_rope_insert(...), check_compress_c128(...)
+    stacked_kv_proj(...)         DSpark stacked K/V projection, norm + RoPE + KV scatter epilogue
+    check_kv_rope_insert(...), check_compress_c128(...), check_stacked_kv_proj(...)
                                  their layout checks (meta tensors welcome)
     LayoutError                  raised for unsupported layouts, before any compile or launch
     precompile(arch=None)        build (or load from disk) every kernel variant up front
@@ -26,6 +27,7 @@ from .compile_cache import (
     set_strict,
 )
 from .kv_insert import check_kv_rope_insert, kv_rope_insert
+from .stacked_projection import check_stacked_kv_proj, stacked_kv_proj
 from .validation import LayoutError
 
 __version__ = "0.1.0"
@@ -51,10 +53,12 @@ __all__ = [
     "cache_stats",
     "check_compress_c128",
     "check_kv_rope_insert",
+    "check_stacked_kv_proj",
     "compress_c128",
     "kv_rope_insert",
     "precompile",
     "reference",
     "reset_cache_stats",
     "set_strict",
+    "stacked_kv_proj",
 ]

@@ -222,3 +222,98 @@ def compress_c128(
                 scaled = values.to(torch.bfloat16).double() / fp8_scale.double().reshape(1)
                 out = scaled.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
             _scatter_rows(flat, page + row * k_cache.stride(1) * elem, out)
+
+
+# -- stacked KV projection ---------------------------------------------------------------
+
+
+def stacked_kv_slots(
+    cache_loc: torch.Tensor,
+    cache_loc_2d: torch.Tensor | None,
+    commit_lens: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows that write, their slots) in the order of the rows."""
+    slots = cache_loc_2d.reshape(-1) if cache_loc_2d is not None else cache_loc
+    valid = slots >= 0
+    if commit_lens is not None:
+        width = cache_loc_2d.shape[1]
+        col = torch.arange(slots.shape[0], device=slots.device) % width
+        valid &= col < commit_lens.to(torch.int64).repeat_interleave(width)
+    rows = valid.nonzero().squeeze(1)
+    return rows, slots[rows]
+
+
+def _gemm_r1(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """bf16(x @ w^T + b) with an fp32 accumulation and one rounding (R1)."""
+    if x.is_cuda:
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            acc = x.float() @ w.float().t()
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+    else:
+        acc = x.float() @ w.float().t()
+    if b is not None:
+        acc = acc + b.float()
+    return acc.to(torch.bfloat16)
+
+
+def k_norm_rope(
+    k: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """RMSNorm over the last dim (R2) then NeoX RoPE (R3) of bf16 ``k`` [R, n_kv, D]; ``w`` [D];
+    ``cos``/``sin`` fp32 [R, 1, D/2]."""
+    kf = k.float()
+    var = kf.pow(2).mean(-1, keepdim=True)
+    normed = (kf * torch.rsqrt(var + eps) * w.float()).to(torch.bfloat16)  # R2
+    half = k.shape[-1] // 2
+    x1, x2 = normed.float()[..., :half], normed.float()[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(torch.bfloat16)  # R3
+
+
+def stacked_kv_proj(
+    ctx_hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    cache_loc: torch.Tensor,
+    k_caches: list[torch.Tensor],
+    v_caches: list[torch.Tensor],
+    cache_loc_2d: torch.Tensor | None = None,
+    commit_lens: torch.Tensor | None = None,
+) -> None:
+    """Reference of :func:`cute_kernels.stacked_kv_proj` (specs/stacked_kv_proj.md): the
+    per-layer path with its three bf16 rounding points — R1 ``y = bf16(x @ W_l^T + b_l)`` (fp32
+    accumulation, TF32 off, bias added in fp32), R2 the per-head RMSNorm in fp32 times the weight
+    then bf16, R3 NeoX RoPE in fp32 (products rounded, no FMA) then bf16; V heads are ``y``.
+    Rows with a negative slot, or a column ``t mod W >= commit_lens[t div W]``, write nothing;
+    ``cache_loc_2d`` replaces ``cache_loc`` when given. Syncs with the host (``nonzero``)."""
+    from . import stacked_projection as _skp
+
+    _skp._validate(ctx_hidden, weight, bias, k_norm_weight, eps, positions, cos_sin_cache,
+                   cache_loc, k_caches, v_caches, cache_loc_2d, commit_lens, require_cuda=False)
+    num_layers = len(k_caches)
+    n_kv, head_dim = k_caches[0].shape[1], k_caches[0].shape[2]
+    kv = n_kv * head_dim
+    rows, slots = stacked_kv_slots(cache_loc, cache_loc_2d, commit_lens)
+    if rows.numel() == 0:
+        return
+    x = ctx_hidden[rows]  # only the rows that write: the GEMM is row-independent
+    half = head_dim // 2
+    table = cos_sin_cache[positions[rows]]
+    cos = table[:, None, :half].float()
+    sin = table[:, None, half:].float()
+    for layer in range(num_layers):
+        lo = layer * 2 * kv
+        w_l = weight[lo:lo + 2 * kv]
+        b_l = None if bias is None else bias[lo:lo + 2 * kv]
+        y = _gemm_r1(x, w_l, b_l)  # R1
+        k = y[:, :kv].reshape(-1, n_kv, head_dim)
+        v = y[:, kv:].reshape(-1, n_kv, head_dim)
+        k_out = k_norm_rope(k, k_norm_weight[layer], eps, cos, sin)
+        k_caches[layer][slots] = k_out
+        v_caches[layer][slots] = v

@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from stacked_kv_proj_cases import compare, make_case  # noqa: E402
 
-from cute_kernels import _stacked_reference_draft as reference  # noqa: E402
-from cute_kernels.stacked_kv_proj import stacked_kv_proj  # noqa: E402
+from cute_kernels import reference  # noqa: E402
+from cute_kernels.stacked_projection import stacked_kv_proj  # noqa: E402
 
 from .timing import Timer  # noqa: E402
 

@@ -1,0 +1,462 @@
+"""Stacked KV projection on the CPU: the reference against a float64 computation with the same
+three rounding points, its row rules, and every rejection of the layout check (on meta and CPU
+tensors, one test each, LayoutError naming the argument)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from stacked_kv_proj_cases import POISON, compare, make_case, ulp_distance
+
+from cute_kernels import LayoutError
+from cute_kernels import reference as ref
+from cute_kernels.stacked_projection import check_stacked_kv_proj
+
+# -- the reference ------------------------------------------------------------------------------
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).double()
+
+
+def float64_outputs(case) -> tuple[list, list, torch.Tensor]:
+    """Per layer (K, V) [rows, n_kv, D] for the written rows: float64 math, bf16 rounding only
+    at R1, R2 and R3."""
+    rows, _ = case.written_rows()
+    n_kv, d = case.k_caches[0].shape[1:]
+    kv = n_kv * d
+    half = d // 2
+    x = case.ctx_hidden[rows].double()
+    table = case.cos_sin_cache[case.positions[rows]].double()
+    cos, sin = table[:, None, :half], table[:, None, half:]
+    ks, vs = [], []
+    for layer in range(case.num_layers):
+        w = case.weight[layer * 2 * kv:(layer + 1) * 2 * kv].double()
+        y = x @ w.t()
+        if case.bias is not None:
+            y = y + case.bias[layer * 2 * kv:(layer + 1) * 2 * kv].double()
+        y = _bf16(y)  # R1
+        k = y[:, :kv].reshape(-1, n_kv, d)
+        rstd = 1.0 / torch.sqrt(k.pow(2).mean(-1, keepdim=True) + case.eps)
+        k = _bf16(k * rstd * case.k_norm_weight[layer].double())  # R2
+        k1, k2 = k[..., :half], k[..., half:]
+        ks.append(_bf16(torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], -1)))  # R3
+        vs.append(y[:, kv:].reshape(-1, n_kv, d))
+    return ks, vs, rows
+
+
+REF_CASES = [
+    dict(tokens=37),
+    dict(tokens=64, bias=True, row_pad=8),
+    dict(tokens=56, commit=True, num_layers=3, n_kv=1),
+    dict(tokens=20, head_dim=64, n_kv=3, norm_dtype=torch.bfloat16),
+    dict(tokens=9, head_dim=256, n_kv=1, num_layers=1, bias=True),
+]
+
+
+@pytest.mark.parametrize("params", REF_CASES, ids=lambda p: ",".join(f"{k}={v}" for k, v in
+                                                                      p.items()))
+def test_reference_matches_float64(params):
+    case = make_case(hidden=512, **params)
+    ref.stacked_kv_proj(*case.args())
+    ks, vs, rows = float64_outputs(case)
+    _, slots = case.written_rows()
+    assert rows.numel() > 0
+    for layer in range(case.num_layers):
+        for got_c, want in ((case.k_caches[layer], ks[layer]), (case.v_caches[layer], vs[layer])):
+            got = got_c[slots]
+            want_bf = want.to(torch.bfloat16)
+            d = ulp_distance(got, want_bf)
+            assert (d <= 1).float().mean() >= 0.999, int(d.max())
+            torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_v_is_the_rounded_projection():
+    case = make_case(16, bias=True, skip_every=0)
+    ref.stacked_kv_proj(*case.args())
+    kv = case.k_caches[0].shape[1] * case.k_caches[0].shape[2]
+    for layer in range(case.num_layers):
+        lo = layer * 2 * kv + kv
+        y = (case.ctx_hidden.float() @ case.weight[lo:lo + kv].float().t()
+             + case.bias[lo:lo + kv].float()).to(torch.bfloat16)
+        assert torch.equal(case.v_caches[layer][case.cache_loc].reshape(16, kv), y)
+
+
+def test_k_heads_have_unit_rms_before_the_weight():
+    """With a unit norm weight, each RoPE'd K head keeps RMS ~1 (rotation preserves norms)."""
+    case = make_case(32, skip_every=0)
+    case.k_norm_weight.fill_(1.0)
+    ref.stacked_kv_proj(*case.args())
+    k = case.k_caches[1][case.cache_loc].float()
+    rms = k.pow(2).mean(-1).sqrt()
+    torch.testing.assert_close(rms, torch.ones_like(rms), rtol=1e-2, atol=1e-2)
+
+
+def test_skipped_rows_stay_untouched():
+    case = make_case(40, skip_every=3)
+    kb, vb, kc, vc = case.twin()
+    ref.stacked_kv_proj(*case.args())
+    rows, slots = case.written_rows()
+    assert rows.numel() == 40 - len(range(0, 40, 3))
+    # A second run into the twin must agree exactly, and the twin comparison checks poison.
+    ref.stacked_kv_proj(*case.args(kc, vc))
+    result = compare(case, kc, vc)
+    assert result.untouched_equal and result.max_ulp == 0
+
+
+def test_commit_lens_select_rows_and_replace_cache_loc():
+    case = make_case(56, commit=True, skip_every=0)
+    width = case.cache_loc_2d.shape[1]
+    ref.stacked_kv_proj(*case.args())
+    assert bool((case.cache_loc == -1).all())  # cache_loc is ignored when cache_loc_2d is given
+    for t in range(56):
+        b, col = divmod(t, width)
+        slot = int(case.cache_loc_2d[b, col])
+        written = col < int(case.commit_lens[b])
+        row_poison = bool((case.k_caches[0][slot].view(torch.uint8) == POISON).all())
+        assert written != row_poison, (t, written)
+
+
+def test_every_layer_uses_its_own_norm_weight():
+    case = make_case(8, skip_every=0, num_layers=2)
+    case.k_norm_weight[1] = case.k_norm_weight[0]
+    ref.stacked_kv_proj(*case.args())
+    k_same = [c[case.cache_loc].clone() for c in case.k_caches]
+    case.k_norm_weight[1].mul_(2.0)
+    ref.stacked_kv_proj(*case.args())
+    assert torch.equal(case.k_caches[0][case.cache_loc], k_same[0])
+    assert not torch.equal(case.k_caches[1][case.cache_loc], k_same[1])
+
+
+# -- rejections ---------------------------------------------------------------------------------
+
+DEVICES = ["meta", "cpu"]
+
+
+def _meta(t):
+    if not isinstance(t, torch.Tensor):
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _args(device, **overrides):
+    case = make_case(16, hidden=128, commit=False)
+    args = dict(
+        ctx_hidden=case.ctx_hidden, weight=case.weight, bias=case.bias,
+        k_norm_weight=case.k_norm_weight, eps=case.eps, positions=case.positions,
+        cos_sin_cache=case.cos_sin_cache, cache_loc=case.cache_loc, k_caches=case.k_caches,
+        v_caches=case.v_caches, cache_loc_2d=None, commit_lens=None,
+    )
+    if device == "meta":
+        args = {k: ([_meta(c) for c in v] if isinstance(v, list) else _meta(v))
+                for k, v in args.items()}
+    for key, value in overrides.items():
+        args[key] = value(args) if callable(value) else value
+    return args
+
+
+def _rejects(args, *fragments):
+    with pytest.raises(LayoutError) as err:
+        check_stacked_kv_proj(**args)
+    msg = str(err.value)
+    for fragment in fragments:
+        assert fragment in msg, msg
+    assert "expected" in msg and "got" in msg, msg
+
+
+def _like(t, shape=None, dtype=None, stride=None):
+    shape = t.shape if shape is None else shape
+    dtype = t.dtype if dtype is None else dtype
+    if stride is None:
+        return torch.zeros(shape, dtype=dtype, device=t.device)
+    return torch.empty_strided(shape, stride, dtype=dtype, device=t.device)
+
+
+def _misaligned(t):
+    """A view whose data pointer is 2 bytes off a 16-byte boundary (same shape)."""
+    flat = torch.zeros(t.numel() + 8, dtype=t.dtype, device=t.device)
+    return flat[1:1 + t.numel()].view(t.shape)
+
+
+def _cache_list(args, name, fn):
+    caches = list(args[name])
+    caches[0] = fn(caches[0])
+    return caches
+
+
+def _with_2d(args, **over):
+    t = args["ctx_hidden"].shape[0]
+    dev = args["ctx_hidden"].device
+    out = dict(cache_loc_2d=torch.zeros(2, t // 2, dtype=torch.int64, device=dev),
+               commit_lens=torch.zeros(2, dtype=torch.int32, device=dev))
+    out.update(over)
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_accepts_supported_layouts(device):
+    assert check_stacked_kv_proj(**_args(device)) is None
+    args = _args(device)
+    args.update(_with_2d(args))
+    assert check_stacked_kv_proj(**args) is None
+    assert check_stacked_kv_proj(**_args(device, bias=lambda a: _like(
+        a["weight"], shape=(a["weight"].shape[0],)))) is None
+    assert check_stacked_kv_proj(**_args(device, k_norm_weight=lambda a: _like(
+        a["k_norm_weight"], dtype=torch.bfloat16))) is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+class TestRejections:
+    def test_ctx_hidden_not_a_tensor(self, device):
+        _rejects(_args(device, ctx_hidden=[1.0]), "ctx_hidden", "torch.Tensor")
+
+    def test_ctx_hidden_dtype(self, device):
+        _rejects(_args(device, ctx_hidden=lambda a: _like(a["ctx_hidden"], dtype=torch.float16)),
+                 "ctx_hidden", "bfloat16")
+
+    def test_ctx_hidden_rank(self, device):
+        _rejects(_args(device, ctx_hidden=lambda a: _like(a["ctx_hidden"], shape=(16, 2, 64))),
+                 "ctx_hidden", "2-D")
+
+    def test_hidden_not_a_tile_multiple(self, device):
+        _rejects(_args(device, ctx_hidden=lambda a: _like(a["ctx_hidden"], shape=(16, 96))),
+                 "ctx_hidden", "multiple of 64")
+
+    def test_ctx_hidden_inner_stride(self, device):
+        _rejects(_args(device, ctx_hidden=lambda a: _like(a["ctx_hidden"], stride=(1, 16))),
+                 "ctx_hidden", "stride 1")
+
+    def test_ctx_hidden_row_stride_alignment(self, device):
+        _rejects(_args(device, ctx_hidden=lambda a: _like(a["ctx_hidden"], stride=(132, 1))),
+                 "ctx_hidden", "16 bytes")
+
+    def test_ctx_hidden_base_alignment(self, device):
+        if device == "meta":
+            pytest.skip("meta tensors have no address")
+        _rejects(_args(device, ctx_hidden=lambda a: _misaligned(a["ctx_hidden"])),
+                 "ctx_hidden", "aligned to 16")
+
+    def test_weight_dtype_quantised(self, device):
+        _rejects(_args(device, weight=lambda a: _like(a["weight"], dtype=torch.float8_e4m3fn)),
+                 "weight", "bfloat16")
+
+    def test_weight_int8(self, device):
+        _rejects(_args(device, weight=lambda a: _like(a["weight"], dtype=torch.int8)),
+                 "weight", "bfloat16")
+
+    def test_weight_rows(self, device):
+        _rejects(_args(device, weight=lambda a: _like(a["weight"], shape=(512, 128))),
+                 "weight", "L*2*n_kv*D")
+
+    def test_weight_hidden(self, device):
+        _rejects(_args(device, weight=lambda a: _like(a["weight"], shape=(1024, 192))),
+                 "weight", "shape")
+
+    def test_weight_inner_stride(self, device):
+        _rejects(_args(device, weight=lambda a: _like(a["weight"], stride=(1, 1024))),
+                 "weight", "stride 1")
+
+    def test_kv_not_a_multiple_of_the_tile(self, device):
+        # D = 64 with 3 heads: kv = 192 is not a multiple of the 128-column tile... but it is a
+        # multiple of D, so tile_n falls back to 64: accepted. A tile mismatch needs kv % D.
+        args = _args(device)
+        caches = [_like(c, shape=(8, 3, 64)) for c in args["k_caches"]]
+        ok = dict(args, k_caches=caches, v_caches=[c.clone() for c in caches],
+                  weight=_like(args["weight"], shape=(2 * 2 * 192, 128)),
+                  k_norm_weight=_like(args["k_norm_weight"], shape=(2, 64)),
+                  cos_sin_cache=_like(args["cos_sin_cache"], shape=(64, 64)))
+        assert check_stacked_kv_proj(**ok) is None
+
+    def test_head_dim(self, device):
+        args = _args(device)
+        caches = [_like(c, shape=(8, 2, 96)) for c in args["k_caches"]]
+        _rejects(dict(args, k_caches=caches), "k_caches[0]", "head dim")
+
+    def test_bias_dtype(self, device):
+        _rejects(_args(device, bias=lambda a: _like(a["weight"], shape=(1024,),
+                                                    dtype=torch.float32)), "bias", "bfloat16")
+
+    def test_bias_shape(self, device):
+        _rejects(_args(device, bias=lambda a: _like(a["weight"], shape=(512,))), "bias", "1024")
+
+    def test_k_norm_weight_dtype(self, device):
+        _rejects(_args(device, k_norm_weight=lambda a: _like(a["k_norm_weight"],
+                                                             dtype=torch.float16)),
+                 "k_norm_weight", "float32")
+
+    def test_k_norm_weight_shape(self, device):
+        _rejects(_args(device, k_norm_weight=lambda a: _like(a["k_norm_weight"], shape=(128,))),
+                 "k_norm_weight", "2-D")
+        _rejects(_args(device, k_norm_weight=lambda a: _like(a["k_norm_weight"],
+                                                             shape=(3, 128))),
+                 "k_norm_weight", "[L, D]")
+
+    def test_eps(self, device):
+        _rejects(_args(device, eps=-1.0), "eps", "non-negative")
+        _rejects(_args(device, eps=True), "eps")
+        _rejects(_args(device, eps="1e-6"), "eps")
+
+    def test_positions_dtype(self, device):
+        _rejects(_args(device, positions=lambda a: _like(a["positions"], dtype=torch.int32)),
+                 "positions", "int64")
+
+    def test_positions_length(self, device):
+        _rejects(_args(device, positions=lambda a: _like(a["positions"], shape=(15,))),
+                 "positions", "16 entries")
+
+    def test_positions_rank(self, device):
+        _rejects(_args(device, positions=lambda a: _like(a["positions"], shape=(16, 1))),
+                 "positions", "1-D")
+
+    def test_cache_loc_dtype(self, device):
+        _rejects(_args(device, cache_loc=lambda a: _like(a["cache_loc"], dtype=torch.int32)),
+                 "cache_loc", "int64")
+
+    def test_cache_loc_length(self, device):
+        _rejects(_args(device, cache_loc=lambda a: _like(a["cache_loc"], shape=(17,))),
+                 "cache_loc", "16 entries")
+
+    def test_cos_sin_dtype(self, device):
+        _rejects(_args(device, cos_sin_cache=lambda a: _like(a["cos_sin_cache"],
+                                                             dtype=torch.bfloat16)),
+                 "cos_sin_cache", "float32")
+
+    def test_cos_sin_width(self, device):
+        _rejects(_args(device, cos_sin_cache=lambda a: _like(a["cos_sin_cache"],
+                                                             shape=(4096, 64))),
+                 "cos_sin_cache", "D = 128")
+
+    def test_cos_sin_not_contiguous(self, device):
+        _rejects(_args(device, cos_sin_cache=lambda a: _like(a["cos_sin_cache"],
+                                                             stride=(1, 4096))),
+                 "cos_sin_cache", "contiguous")
+
+    def test_cache_lists_differ_in_length(self, device):
+        _rejects(_args(device, v_caches=lambda a: a["v_caches"][:1]), "v_caches", "2 tensors")
+
+    def test_caches_not_a_list(self, device):
+        _rejects(_args(device, k_caches=lambda a: a["k_caches"][0]), "k_caches", "list")
+
+    def test_caches_empty(self, device):
+        _rejects(_args(device, k_caches=[]), "k_caches", "non-empty")
+
+    def test_cache_dtype(self, device):
+        _rejects(_args(device, k_caches=lambda a: _cache_list(
+            a, "k_caches", lambda c: _like(c, dtype=torch.float16))), "k_caches[0]", "bfloat16")
+
+    def test_cache_rank(self, device):
+        _rejects(_args(device, v_caches=lambda a: _cache_list(
+            a, "v_caches", lambda c: _like(c, shape=(8, 256)))), "v_caches[0]", "3-D")
+
+    def test_v_cache_shape(self, device):
+        _rejects(_args(device, v_caches=lambda a: _cache_list(
+            a, "v_caches", lambda c: _like(c, shape=(8, 1, 128)))), "v_caches[0]", "[slots, 2")
+
+    def test_cache_head_stride(self, device):
+        _rejects(_args(device, k_caches=lambda a: _cache_list(
+            a, "k_caches", lambda c: _like(c, shape=(8, 2, 128), stride=(512, 256, 1)))),
+            "k_caches[0]", "strides")
+
+    def test_cache_row_stride_alignment(self, device):
+        _rejects(_args(device, k_caches=lambda a: _cache_list(
+            a, "k_caches", lambda c: _like(c, shape=(8, 2, 128), stride=(260, 128, 1)))),
+            "k_caches[0]", "16 bytes")
+
+    def test_cache_rows_overlap(self, device):
+        _rejects(_args(device, k_caches=lambda a: _cache_list(
+            a, "k_caches", lambda c: _like(c, shape=(8, 2, 128), stride=(128, 128, 1)))),
+            "k_caches[0]", "overlap")
+
+    def test_cache_base_alignment(self, device):
+        if device == "meta":
+            pytest.skip("meta tensors have no address")
+        _rejects(_args(device, v_caches=lambda a: _cache_list(a, "v_caches", _misaligned)),
+                 "v_caches[0]", "aligned to 16")
+
+    def test_cache_device(self, device):
+        other = "cpu" if device == "meta" else "meta"
+        _rejects(_args(device, k_caches=lambda a: _cache_list(
+            a, "k_caches", lambda c: torch.empty(c.shape, dtype=c.dtype, device=other))),
+            "k_caches[0]", "device")
+
+    def test_commit_lens_without_cache_loc_2d(self, device):
+        _rejects(_args(device, commit_lens=lambda a: _with_2d(a)["commit_lens"]), "cache_loc_2d")
+
+    def test_cache_loc_2d_without_commit_lens(self, device):
+        _rejects(_args(device, cache_loc_2d=lambda a: _with_2d(a)["cache_loc_2d"]),
+                 "commit_lens")
+
+    def test_cache_loc_2d_size(self, device):
+        args = _args(device)
+        dev = args["ctx_hidden"].device
+        args.update(_with_2d(args, cache_loc_2d=torch.zeros(2, 7, dtype=torch.int64,
+                                                            device=dev)))
+        _rejects(args, "cache_loc_2d", "bs*W")
+
+    def test_cache_loc_2d_dtype(self, device):
+        args = _args(device)
+        dev = args["ctx_hidden"].device
+        args.update(_with_2d(args, cache_loc_2d=torch.zeros(2, 8, dtype=torch.int32,
+                                                            device=dev)))
+        _rejects(args, "cache_loc_2d", "int64")
+
+    def test_commit_lens_dtype(self, device):
+        args = _args(device)
+        dev = args["ctx_hidden"].device
+        args.update(_with_2d(args, commit_lens=torch.zeros(2, dtype=torch.int64, device=dev)))
+        _rejects(args, "commit_lens", "int32")
+
+    def test_commit_lens_length(self, device):
+        args = _args(device)
+        dev = args["ctx_hidden"].device
+        args.update(_with_2d(args, commit_lens=torch.zeros(3, dtype=torch.int32, device=dev)))
+        _rejects(args, "commit_lens", "2 entries")
+
+    def test_index_tensor_device(self, device):
+        other = "cpu" if device == "meta" else "meta"
+        _rejects(_args(device, positions=torch.zeros(16, dtype=torch.int64, device=other)),
+                 "positions", "device")
+
+    def test_unknown_impl_override(self, device, monkeypatch):
+        monkeypatch.setenv("CUTE_KERNELS_ARCH", "sm_100a")
+        monkeypatch.setenv("CUTE_KERNELS_STACKED_IMPL", "wgmma")  # wgmma is sm_90a only
+        _rejects(_args(device), "CUTE_KERNELS_STACKED_IMPL", "sm_100a")
+
+    def test_unknown_tile_override(self, device, monkeypatch):
+        monkeypatch.setenv("CUTE_KERNELS_ARCH", "sm_90a")
+        monkeypatch.setenv("CUTE_KERNELS_STACKED_TILE", "m256")
+        _rejects(_args(device), "CUTE_KERNELS_STACKED_TILE", "m64k3")
+
+    def test_unsupported_arch(self, device, monkeypatch):
+        monkeypatch.setenv("CUTE_KERNELS_ARCH", "sm_80")
+        _rejects(_args(device), "arch", "sm_90a")
+
+
+@pytest.mark.parametrize(("tokens", "hidden", "tile"), [
+    (1, 4096, "m64k3"), (64, 4096, "m64k3"), (64, 256, "m64"), (65, 4096, "m64"),
+    (256, 4096, "m64"), (257, 4096, "m128"),
+])
+def test_tile_choice(tokens, hidden, tile, monkeypatch):
+    from cute_kernels.stacked_projection import choose_tile
+
+    monkeypatch.delenv("CUTE_KERNELS_STACKED_TILE", raising=False)
+    assert choose_tile(tokens, hidden) == tile
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_key_on_meta_with_arch_override(arch, monkeypatch):
+    from cute_kernels.stacked_projection import _validate
+
+    monkeypatch.setenv("CUTE_KERNELS_ARCH", arch)
+    monkeypatch.delenv("CUTE_KERNELS_STACKED_IMPL", raising=False)
+    args = _args("meta")
+    key = _validate(*args.values(), require_cuda=False)
+    assert key.arch == arch and key.impl == ("wgmma" if arch == "sm_90a" else "mma")
+    assert (key.num_layers, key.n_kv, key.head_dim, key.tile) == (2, 2, 128, "m64")
+
+
+def test_kernel_entry_requires_cuda():
+    from cute_kernels.stacked_projection import stacked_kv_proj
+
+    with pytest.raises(LayoutError, match="CUDA"):
+        stacked_kv_proj(**_args("cpu"))

@@ -1,0 +1,174 @@
+"""Stacked KV projection kernel against the PyTorch reference on the GPU.
+
+Every check compares whole cache backings: written rows >= 99.9 % within 1 bf16 ulp of the
+reference and all within rtol = atol = 2e-2; every other row (and the row padding) still holds
+the poison bytes.
+
+Grid pruning (about two minutes on an H200): the full product H x L x n_kv x D x T x bias x
+commit x padding is ~1000 cases of which most exercise the same code. Token counts cross every
+tile edge (1, 7 inside one 64-row tile; 64 exactly one; 257 one row into the fifth small tile;
+4096 the large tile), so each runs against four (L, n_kv, H) shapes that cover both drafter
+sizes and both kv widths (n_kv = 1: one head per tile and 20 K/V tiles per layer boundary;
+n_kv = 8). The optional features (bias, commit rows, padded rows, bf16 norm weight) each change
+the code independently of T's tile edges, so they run in four pairwise combinations at two
+token counts (one per tile config). D = 64 and D = 256 change the epilogue mapping only, so
+they run at two and one sizes. Every correctness test runs both GEMM cores (`impl`); each tile
+config is also forced at two sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from stacked_kv_proj_cases import compare, make_case
+
+import cute_kernels
+from cute_kernels import reference
+from cute_kernels.stacked_projection import IMPL_ENV, TILE_ENV, TILES, stacked_kv_proj
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(params=["wgmma", "mma"])
+def impl(request, monkeypatch):
+    """Both GEMM cores: TMA + wgmma (sm_90a only) and the portable cp.async + mma.sync."""
+    if request.param == "wgmma" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma needs sm_90a")
+    monkeypatch.setenv(IMPL_ENV, request.param)
+    return request.param
+
+
+def _check(case, run=None, rounds: int = 2) -> None:
+    """Poison both, run reference and kernel, compare; round 2 with fresh inputs."""
+    for rnd in range(rounds):
+        if rnd:
+            case.ctx_hidden.normal_()
+            case.positions.copy_(torch.randint_like(case.positions, 0,
+                                                    case.cos_sin_cache.shape[0]))
+        case.poison()
+        _, _, ref_k, ref_v = case.twin()  # poisoned copies with the same strides
+        hidden_before = case.ctx_hidden.clone()
+        reference.stacked_kv_proj(*case.args(ref_k, ref_v))
+        (run or (lambda: stacked_kv_proj(*case.args())))()
+        torch.cuda.synchronize()
+        result = compare(case, ref_k, ref_v)
+        assert result.untouched_equal, f"round {rnd}: a row that must be skipped was written"
+        assert result.within_one_ulp >= 0.999, (
+            f"round {rnd}: {100 * result.within_one_ulp:.3f} % within 1 ulp "
+            f"(max {result.max_ulp} ulp)"
+        )
+        assert torch.equal(case.ctx_hidden, hidden_before), "ctx_hidden must not be modified"
+
+
+SHAPES = [  # (L, n_kv, H)
+    (5, 8, 4096),  # Qwen3-8B drafter, TP1
+    (1, 1, 2560),  # one layer, one head (TP8): 2 CTAs of columns
+    (5, 1, 2560),  # Qwen3-4B drafter at TP8
+    (1, 8, 4096),
+]
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64, 257, 4096])
+@pytest.mark.parametrize(("layers", "n_kv", "hidden"), SHAPES, ids=str)
+def test_matches_reference(layers, n_kv, hidden, tokens, impl):
+    case = make_case(tokens, hidden, layers, n_kv, 128, "cuda", seed=tokens + 7 * n_kv)
+    _check(case)
+
+
+FEATURES = [  # bias, commit, row_pad, norm dtype: pairwise over the four flags
+    dict(bias=True, commit=False, row_pad=8, norm_dtype=torch.float32),
+    dict(bias=False, commit=True, row_pad=8, norm_dtype=torch.bfloat16),
+    dict(bias=True, commit=True, row_pad=0, norm_dtype=torch.bfloat16),
+    dict(bias=False, commit=False, row_pad=136, norm_dtype=torch.float32),
+]
+
+
+@pytest.mark.parametrize("tokens", [56, 1024])
+@pytest.mark.parametrize("features", FEATURES, ids=lambda f: "-".join(
+    f"{k}={v}".replace("torch.", "") for k, v in f.items()))
+def test_features(features, tokens, impl):
+    case = make_case(tokens, 4096, 5, 8, 128, "cuda", seed=3, **features)
+    _check(case)
+
+
+@pytest.mark.parametrize(("tokens", "n_kv"), [(7, 1), (257, 4)])
+def test_head_dim_64(tokens, n_kv, impl):
+    case = make_case(tokens, 2560, 2, n_kv, 64, "cuda", bias=True, row_pad=8, seed=11)
+    _check(case)
+
+
+def test_head_dim_256(impl):
+    case = make_case(300, 2560, 2, 2, 256, "cuda", commit=True, seed=12)
+    _check(case)
+
+
+@pytest.mark.parametrize("tile", list(TILES))
+@pytest.mark.parametrize("tokens", [7, 100])
+def test_every_tile_config(tile, tokens, impl, monkeypatch):
+    """Each tile config forced at sizes where auto would pick another (m64k3 splits H over a
+    3-CTA cluster and sums partials through DSMEM; m64 and m128 do not)."""
+    monkeypatch.setenv(TILE_ENV, tile)
+    case = make_case(tokens, 2560, 2, 8, 128, "cuda", bias=True, commit=True, seed=15)
+    _check(case)
+
+
+def test_uneven_split(impl):
+    """H = 448: 7 k-tiles over 3 ranks (2, 2, 3)."""
+    case = make_case(33, 448, 2, 2, 128, "cuda", seed=16)
+    _check(case)
+
+
+def test_short_hidden(impl):
+    """H = 128: fewer K tiles than pipeline stages."""
+    case = make_case(70, 128, 2, 2, 128, "cuda", seed=13)
+    _check(case)
+
+
+def test_all_rows_skipped():
+    case = make_case(64, 2560, 1, 1, 128, "cuda", seed=14)
+    case.cache_loc.fill_(-1)
+    _check(case, rounds=1)
+
+
+@pytest.mark.parametrize("tokens", [7, 257])
+def test_cuda_graph_replay_with_mutated_inputs(tokens, impl):
+    case = make_case(tokens, 2560, 5, 8, 128, "cuda", commit=True, bias=True, seed=21)
+    stacked_kv_proj(*case.args())  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        stacked_kv_proj(*case.args())
+    case.commit_lens.copy_(torch.randint_like(case.commit_lens, 0, 9))  # read on device
+    case.k_norm_weight.mul_(1.5)
+    _check(case, run=graph.replay, rounds=3)
+
+
+def test_torch_compile_fullgraph():
+    case = make_case(100, 2560, 5, 8, 128, "cuda", bias=True, seed=31)
+
+    @torch.compile(fullgraph=True)
+    def step(x, weight, bias, norm_w, positions, cos_sin, loc, k_caches, v_caches):
+        stacked_kv_proj(x * 1, weight, bias, norm_w, case.eps, positions, cos_sin, loc,
+                        k_caches, v_caches)
+
+    _check(case, run=lambda: step(case.ctx_hidden, case.weight, case.bias, case.k_norm_weight,
+                                  case.positions, case.cos_sin_cache, case.cache_loc,
+                                  case.k_caches, case.v_caches))
+
+
+def test_one_compile_serves_every_token_count():
+    for tokens in (5, 100, 300):  # warm the three tiles (split, small, large)
+        stacked_kv_proj(*make_case(tokens, 2560, 5, 8, 128, "cuda").args())
+    before = cute_kernels.cache_stats()["compiles"]
+    for tokens in (1, 17, 64, 65, 256, 257, 2000):
+        stacked_kv_proj(*make_case(tokens, 2560, 5, 8, 128, "cuda").args())
+    torch.cuda.synchronize()
+    assert cute_kernels.cache_stats()["compiles"] == before
+
+
+def test_no_tokens_launches_nothing():
+    case = make_case(0, 2560, 1, 1, 128, "cuda")
+    stacked_kv_proj(*case.args())
+    torch.cuda.synchronize()
+    assert all(bool((b.view(torch.uint8) == 0xA5).all()) for b in case.k_backings)
