@@ -11,6 +11,7 @@ ENV_DEP := .venv/.installed
 endif
 
 PYTEST_ARGS ?=
+PERF_ARGS ?=
 
 .PHONY: test perf compile lint clean
 
@@ -25,7 +26,7 @@ test: $(ENV_DEP)
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; rc=0; fi; exit $$rc
 
 perf: $(ENV_DEP)
-	$(PY) -m perf.run
+	$(PY) -m perf.run $(PERF_ARGS)
 
 compile: $(ENV_DEP)
 	$(PY) -m cute_kernels compile --arch sm_90a && $(PY) -m cute_kernels compile --arch sm_100a

@@ -13,7 +13,7 @@ L2_FLUSH_BYTES = 512 << 20  # > 8x the H200's 60 MB L2
 
 
 class Timer:
-    def __init__(self, replays: int = 60) -> None:
+    def __init__(self, replays: int = 50) -> None:
         self.replays = replays
         self._flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
 
