@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +41,9 @@ def keep_ptx(fn, *args, options=""):
 cute.compile = keep_ptx
 KERNELS.build(KvInsertKey(CacheFormat.BF16, {arch!r}))
 """
-    env = {"CUTE_DSL_ARCH": "sm_100a" if arch == "sm_90a" else "sm_90a", "PATH": "/usr/bin"}
+    # the DSL's own default points elsewhere: only --gpu-arch can make the PTX right
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_100a" if arch == "sm_90a" else "sm_90a"}
+    env.pop("CUTE_KERNELS_ARCH", None)
     subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, env=env)
     ptx = list(tmp_path.glob("*.ptx"))
     assert ptx and all(f".target {arch}" in p.read_text() for p in ptx)
