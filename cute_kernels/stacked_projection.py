@@ -646,7 +646,7 @@ class StackedKvProjWgmma(_StackedKvProjBase):
         v_caches: tuple,
         stream: cuda.CUstream,
     ) -> None:
-        k_major = cutlass.utils.LayoutEnum.ROW_MAJOR  # both operands are [rows, H], H inner
+        k_major = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR  # both operands are [rows, H], H inner
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(),
             Float32, (self.warpgroups, 1, 1), tiler_mn=(64, self.bn),
