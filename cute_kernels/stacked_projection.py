@@ -70,20 +70,22 @@ class TileConfig:
     ksplit: int = 1  # CTAs of a cluster that split H and reduce through DSMEM
 
 
-# Small T is weight-bandwidth bound. T <= 64 is one M tile, i.e. only N / 128 = 80 tiles for
-# 132 SMs: TILE_SPLIT splits H over a 3-CTA cluster (240 CTAs, two per SM at 96 KiB of ring
-# each), the partial accumulators summed through DSMEM in rank order before the epilogue, so
-# no SM streams more than 2/3 of a weight tile. 64 < T <= 256 has 160..320 CTAs already:
-# TILE_SMALL keeps as many bytes in flight per CTA as the SMEM allows (mma: 8 stages x 24 KiB;
-# wgmma: 9 stages). Large T is math bound: 128 x 128 tiles; the wgmma core keeps 3 stages
-# (97 KiB) so two CTAs share an SM and one's epilogue overlaps the other's main loop.
+# Small T is weight-bandwidth bound: TILE_SMALL (64-row tiles, one per N tile at T <= 64, so
+# 80 CTAs for N = 10240) keeps as many bytes in flight per CTA as the SMEM allows (mma: 8
+# stages x 24 KiB; wgmma: 9 stages). Large T is math bound: 128 x 128 tiles; the wgmma core
+# keeps 3 stages (97 KiB) so two CTAs share an SM and one's epilogue overlaps the other's main
+# loop. TILE_SPLIT splits H over a 3-CTA cluster (240 CTAs, two per SM at 96 KiB of ring
+# each) and sums the partial tiles through DSMEM; it is never picked by default: on the H200
+# (2026-11-29, cold, L 5, n_kv 8, D 128, T in {1, 16, 64}) it measured 41-43 us against 35-36
+# for TILE_SMALL at H = 4096 and 31-33 against 25 at H = 2560. It stays selectable for
+# comparison (CUTE_KERNELS_STACKED_TILE=m64k3). The m64 / m128 edge is where they cross:
+# T = 128: 44.3 / 50.6 us, T = 256: 59.4 / 55.1 us (H = 4096).
 TILE_SPLIT = TileConfig("m64k3", bm=64, bk=64, stages=4, warps_m=2, warps_n=2, wgmma_stages=4,
                         ksplit=3)
 TILE_SMALL = TileConfig("m64", bm=64, bk=64, stages=8, warps_m=2, warps_n=2, wgmma_stages=16)
 TILE_LARGE = TileConfig("m128", bm=128, bk=64, stages=4, warps_m=2, warps_n=4, wgmma_stages=3)
 TILES = {t.name: t for t in (TILE_SPLIT, TILE_SMALL, TILE_LARGE)}
-SPLIT_T_MAX = 64  # T <= this uses TILE_SPLIT (when every rank gets >= 2 k-tiles)
-SMALL_T_MAX = 256  # T <= this uses TILE_SMALL
+SMALL_T_MAX = 128  # T <= this uses TILE_SMALL
 IMPLS = {"mma": None, "wgmma": None}  # filled below with the kernel classes
 #: ``auto`` (default: wgmma on sm_90a, mma elsewhere), ``mma`` or ``wgmma`` (sm_90a only).
 IMPL_ENV = "CUTE_KERNELS_STACKED_IMPL"
@@ -867,9 +869,9 @@ def choose_impl(arch: str) -> str:
 
 def choose_tile(tokens: int, hidden: int, bn: int = 128) -> str:
     """The tile config for ``tokens`` rows of a layout whose CTA tile is ``bn`` columns wide
-    (``CUTE_KERNELS_STACKED_TILE`` overrides). The split-K cluster needs ``bn >= 128``: on a
-    64-column tile the epilogue covers 64 rows in two passes, fewer than the 3 ranks that each
-    store a share of the rows."""
+    (``CUTE_KERNELS_STACKED_TILE`` overrides). The split-K cluster (by override only) needs
+    ``bn >= 128``: on a 64-column tile the epilogue covers 64 rows in two passes, fewer than
+    the 3 ranks that each store a share of the rows."""
     wanted = os.environ.get(TILE_ENV, "auto")
     k_tiles = hidden // TILE_SPLIT.bk
     if wanted != "auto":
@@ -880,8 +882,6 @@ def choose_tile(tokens: int, hidden: int, bn: int = 128) -> str:
         if TILES[wanted].ksplit > 1 and bn < 128:
             fail(TILE_ENV, f"a tile without split-K for a {bn}-column tile", repr(wanted))
         return wanted
-    if tokens <= SPLIT_T_MAX and k_tiles >= 2 * TILE_SPLIT.ksplit and bn >= 128:
-        return TILE_SPLIT.name
     return TILE_SMALL.name if tokens <= SMALL_T_MAX else TILE_LARGE.name
 
 

@@ -2,6 +2,7 @@
 
     ncu --clock-control none -k regex:kernel --launch-skip 2 --launch-count 1 \\
         python3 -m perf.ncu_target kv_rope_insert v4_packed 262144
+        python3 -m perf.ncu_target stacked_kv_proj drafter 64
 """
 
 from __future__ import annotations
@@ -25,6 +26,15 @@ def main() -> None:
                          skip_every=0)
         for _ in range(4):
             cute_kernels.kv_rope_insert(*case.args())
+    elif kernel == "stacked_kv_proj":  # fmt is ignored: the benchmark's drafter layout
+        from stacked_kv_proj_cases import make_case
+
+        from .bench_stacked_kv_proj import HEAD_DIM, HIDDEN, LAYERS, N_KV
+
+        case = make_case(tokens, HIDDEN, LAYERS, N_KV, HEAD_DIM, "cuda", skip_every=0,
+                         max_pos=max(4096, tokens + 1))
+        for _ in range(4):
+            cute_kernels.stacked_kv_proj(*case.args())
     else:
         raise SystemExit(f"unknown kernel {kernel}")
     torch.cuda.synchronize()

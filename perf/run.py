@@ -29,6 +29,7 @@ def compile_only() -> int:
 
 
 BASELINES = (("ref_eager_us", "ref eager"), ("ref_compile_us", "ref torch.compile"),
+             ("per_layer_us", "per-layer torch"),
              ("stacked_cublas_us", "stacked cuBLAS + torch"), ("cublas_only_us", "cuBLAS alone"))
 
 
@@ -43,7 +44,12 @@ def markdown(rows: list[dict], env: dict, ceiling: float) -> str:
         "|---|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
-        base = ", ".join(f"{label} {r[key]:.1f}" for key, label in BASELINES if key in r)
+        base = ", ".join(
+            f"{label} {r[key]:.1f}" if key in r else f"{label} failed ({r[error]})"
+            for key, label in BASELINES
+            for error in [key.removesuffix("_us") + "_error"]
+            if key in r or error in r
+        )
         if "tflops" in r:
             base += f"; {r['tflops']:.0f} TFLOP/s"
         lines.append(

@@ -87,6 +87,13 @@ class Timer:
         return statistics.median(samples)
 
 
+def baseline_error(exc: BaseException) -> str:
+    """One line saying why a baseline could not run (recorded in place of its time)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    return f"{type(exc).__name__}: {last}"[:160]
+
+
 def copy_ceiling_bytes_per_s(nbytes: int = 1 << 30, reps: int = 10) -> float:
     """Device-to-device ``copy_`` of ``nbytes``; bytes read + written per second."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(3)

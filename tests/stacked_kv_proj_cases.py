@@ -153,6 +153,7 @@ class Comparison:
     within_one_ulp: float  # fraction of written K/V elements within 1 bf16 ulp
     max_ulp: int
     untouched_equal: bool  # every element of every row not written still holds the poison
+    elements: int = 0  # written K/V elements compared
 
     @property
     def exact_enough(self) -> bool:
@@ -185,4 +186,4 @@ def compare(case: StackedCase, ref_k: list[torch.Tensor], ref_v: list[torch.Tens
         mask[(slots[:, None] * stride0 + cols[None, :]).reshape(-1)] = False
         untouched &= bool((got_b.view(torch.uint8).view(-1, 2)[mask] == POISON).all())
     frac = near / total if total else 1.0
-    return Comparison(frac, max_ulp, untouched)
+    return Comparison(frac, max_ulp, untouched, total)

@@ -433,8 +433,8 @@ class TestRejections:
 
 
 @pytest.mark.parametrize(("tokens", "hidden", "tile"), [
-    (1, 4096, "m64k3"), (64, 4096, "m64k3"), (64, 256, "m64"), (65, 4096, "m64"),
-    (256, 4096, "m64"), (257, 4096, "m128"),
+    (1, 4096, "m64"), (64, 4096, "m64"), (64, 256, "m64"), (128, 4096, "m64"),
+    (129, 4096, "m128"), (256, 2560, "m128"),
 ])
 def test_tile_choice(tokens, hidden, tile, monkeypatch):
     from cute_kernels.stacked_projection import choose_tile

@@ -38,9 +38,24 @@ def impl(request, monkeypatch):
     return request.param
 
 
+# The 1-ulp statistic needs a sample that can resolve 99.9 %. The kernel's R1 comes from bf16
+# tensor-core products with an fp32 accumulation whose order differs from the reference's, so
+# a y value within ~1e-6 (relative) of a bf16 rounding midpoint may round the other way (about
+# 0.1-0.2 % of values). In a K head one such flip changes the sum of squares, re-rounds a few
+# R2 values by 1 ulp, and NeoX cancellation (x1*cos - x2*sin small) turns that into 2-10 ulp
+# on up to four elements of the head. Measured on the H200 for D = 64, T = 7, n_kv = 1 (1280
+# elements a round): every > 1 ulp element reproduced exactly by one 1-ulp R1 flip in its head.
+# So the statistic is pooled over rounds of fresh inputs until MIN_ULP_SAMPLE elements.
+MIN_ULP_SAMPLE = 16384
+
+
 def _check(case, run=None, rounds: int = 2) -> None:
-    """Poison both, run reference and kernel, compare; round 2 with fresh inputs."""
-    for rnd in range(rounds):
+    """Poison both, run reference and kernel, compare; later rounds with fresh inputs. Rows
+    that must not be written, and assert_close, are checked every round; the 1-ulp fraction
+    over all rounds (more rounds for small cases, see MIN_ULP_SAMPLE)."""
+    near = total = max_ulp = 0
+    rnd = 0
+    while rnd < rounds or (total < MIN_ULP_SAMPLE and rnd < 64):
         if rnd:
             case.ctx_hidden.normal_()
             case.positions.copy_(torch.randint_like(case.positions, 0,
@@ -53,11 +68,17 @@ def _check(case, run=None, rounds: int = 2) -> None:
         torch.cuda.synchronize()
         result = compare(case, ref_k, ref_v)
         assert result.untouched_equal, f"round {rnd}: a row that must be skipped was written"
-        assert result.within_one_ulp >= 0.999, (
-            f"round {rnd}: {100 * result.within_one_ulp:.3f} % within 1 ulp "
-            f"(max {result.max_ulp} ulp)"
-        )
         assert torch.equal(case.ctx_hidden, hidden_before), "ctx_hidden must not be modified"
+        near += round(result.within_one_ulp * result.elements)
+        total += result.elements
+        max_ulp = max(max_ulp, result.max_ulp)
+        rnd += 1
+        if total == 0:
+            break  # nothing is written (all rows skipped): nothing more to sample
+    assert total == 0 or near / total >= 0.999, (
+        f"{100 * near / total:.3f} % of {total} elements within 1 ulp over {rnd} rounds "
+        f"(max {max_ulp} ulp)"
+    )
 
 
 SHAPES = [  # (L, n_kv, H)
