@@ -79,9 +79,12 @@ class CompressC128:
     """A cluster of 8 CTAs per boundary token; CTA ``r`` of the cluster owns columns
     ``[64r, 64r + 64)`` — exactly one UE8M0 group (CTA 7: the 64 RoPE dims).
 
-    Each CTA reads its 64 columns of the 128 window rows (64 KiB) with 16-byte loads: warp ``w``
+    Each CTA reads its 64 columns of the 128 window rows (64 KiB) with 16-byte copies: warp ``w``
     covers rows ``16w .. 16w + 15`` = state pages ``2w`` and ``2w + 1`` of the window, a half-warp
-    one row, a lane 4 columns. A lane keeps (max, sum e, sum kv * e) per column; half-warps merge
+    one row, a lane 4 columns. The copies are ``cp.async`` into a shared-memory stage that each
+    thread reads back itself, so the next window streams in while this one is pooled, merged and
+    stored (register loads could only be issued once the pooling had freed the registers). A lane
+    keeps (max, sum e, sum kv * e) per column; half-warps merge
     through shuffles, warps through shared memory. The RMSNorm's sum of squares crosses the cluster
     through distributed shared memory (one float per CTA, summed in rank order, so every CTA gets
     the same bits); everything else is CTA-local, so the whole op is one launch.
@@ -95,6 +98,7 @@ class CompressC128:
     # Two CTAs per SM (<= 128 registers: the 64 fp32 of a window fragment stay in registers)
     # keep 128 KiB of state loads in flight per SM; more CTAs measured no faster.
     CTAS_PER_SM = 2
+    WINDOW_CHUNKS = 16  # 16-byte chunks a thread stages per window: 8 kv + 8 score
     WARPS = 8
     ROWS_PER_WARP = RATIO // WARPS  # 16 = two state pages
     COLS_PER_LANE = 4  # one 16-byte load
@@ -129,7 +133,9 @@ class CompressC128:
             cluster=[self.CLUSTER, 1, 1],
             stream=stream,
             min_blocks_per_mp=self.CTAS_PER_SM,
-            preferred_smem_carveout=25,  # percent of the SM: ~6.5 KB per CTA, the rest to L1
+            # percent of the SM's 228 KiB: two CTAs of ~71 KiB (the window stage + stats); the
+            # state stream bypasses L1 (cp.async.cg), so L1 needs little
+            preferred_smem_carveout=100,
         )
 
     @cute.kernel
@@ -161,6 +167,21 @@ class CompressC128:
         sStat = smem.allocate_tensor(Float32, stat_layout, byte_alignment=16)
         # this CTA's sum of squares, double-buffered by token parity (peers read it remotely)
         sSumSq = smem.allocate_tensor(Float32, cute.make_layout(2), byte_alignment=8)
+        # The next window's state: 16-byte chunk c of thread i at (c * threads + i) * 16 bytes,
+        # so a warp's 32 chunks are 512 contiguous bytes (no bank conflicts either way).
+        threads = 32 * self.WARPS
+        sWindow = smem.allocate_tensor(
+            Float32,
+            cute.make_layout((self.COLS_PER_LANE, self.WINDOW_CHUNKS, threads),
+                             stride=(1, threads * self.COLS_PER_LANE, self.COLS_PER_LANE)),
+            byte_alignment=128,
+        )
+        tWsW = sWindow[None, None, warp * 32 + lane]  # this thread's (4, 16) chunks
+        g2s = cute.make_copy_atom(
+            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+            Float32,
+            num_bits_per_copy=128,
+        )
 
         num_tokens = mPos.shape[0]
         per_cluster = (num_tokens - cluster_id + num_clusters - 1) // num_clusters
@@ -175,10 +196,10 @@ class CompressC128:
             kv_slot = mKvSlot[t_safe]
             is_boundary = in_range & (slot >= 0) & (kv_slot >= 0) & ((pos + 1) % RATIO == 0)
             mask = Uint32(cute.arch.vote_ballot_sync(is_boundary))
-            # Software pipeline over the chunk's boundary tokens: token k+1's state loads are
-            # issued as soon as token k's registers are pooled, so they stay in flight through
-            # token k's merge, cluster barrier and store; token k+2's page ids are fetched
-            # behind them (req -> block table -> state would be three serial round trips).
+            # Software pipeline over the chunk's boundary tokens: token k+1's state copies are
+            # issued as soon as token k's window is in registers, so they stay in flight through
+            # token k's pooling, merge, cluster barrier and store; token k+2's page ids are
+            # fetched behind them (req -> block table -> state: three serial round trips).
             tKrK = self.make_window_fragment()
             tSrS = self.make_window_fragment()
             page0 = Int32(0)
@@ -187,7 +208,7 @@ class CompressC128:
                 page0, page1 = self.window_pages(
                     mTokenReq, mBlockTable, t_safe, pos, self.lowest_lane(mask), warp
                 )
-                self.load_window(mState, page0, page1, tKrK, tSrS, rank, lane)
+                self.load_window(g2s, mState, page0, page1, tWsW, rank, lane)
                 rest = mask & (mask - Uint32(1))
                 if rest != Uint32(0):
                     page0, page1 = self.window_pages(
@@ -198,6 +219,18 @@ class CompressC128:
                 mask = mask & (mask - Uint32(1))
                 token_pos = cute.arch.shuffle_sync(pos, offset=src)
                 token_kv_slot = cute.arch.shuffle_sync(kv_slot, offset=src)
+                # Only this thread's own copies are read back: its wait_group is the only sync.
+                cute.arch.cp_async_wait_group(0)
+                for step in cutlass.range_constexpr(self.ROW_STEPS):
+                    cute.autovec_copy(tWsW[None, step], tKrK[step, None])
+                    cute.autovec_copy(tWsW[None, self.ROW_STEPS + step], tSrS[step, None])
+                if mask != Uint32(0):
+                    self.load_window(g2s, mState, page0, page1, tWsW, rank, lane)
+                    rest = mask & (mask - Uint32(1))
+                    if rest != Uint32(0):
+                        page0, page1 = self.window_pages(
+                            mTokenReq, mBlockTable, t_safe, pos, self.lowest_lane(rest), warp
+                        )
                 self.pool_rows(tKrK, tSrS, sStat, warp, lane)
                 parity = processed % 2
                 x = cute.make_rmem_tensor((2,), Float32)
@@ -206,16 +239,9 @@ class CompressC128:
                     # release: the partial sum is visible to the peers after their wait (and
                     # warp 0 is done with sStat before any warp rewrites it)
                     cute.arch.cluster_arrive()
-                if mask != Uint32(0):
-                    self.load_window(mState, page0, page1, tKrK, tSrS, rank, lane)
-                    rest = mask & (mask - Uint32(1))
-                    if rest != Uint32(0):
-                        page0, page1 = self.window_pages(
-                            mTokenReq, mBlockTable, t_safe, pos, self.lowest_lane(rest), warp
-                        )
                 if warp != 0:
-                    # these warps published nothing: a releasing arrive would first wait for
-                    # the loads just issued, which must instead stay in flight over the barrier
+                    # these warps published nothing: a relaxed arrive orders nothing, so it
+                    # cannot wait on anything still in flight
                     cute.arch.cluster_arrive_relaxed()
                 cute.arch.cluster_wait()
                 if warp == 0:
@@ -261,15 +287,16 @@ class CompressC128:
     @cute.jit
     def load_window(
         self,
+        g2s: cute.CopyAtom,
         mState: cute.Tensor,
         page0: Int32,
         page1: Int32,
-        tKrK: cute.Tensor,
-        tSrS: cute.Tensor,
+        tWsW: cute.Tensor,
         rank: Int32,
         lane: Int32,
     ) -> None:
-        """This lane's 4 columns of kv and score for its 8 rows: 16 independent 16-byte loads."""
+        """Start copying this lane's 4 columns of kv and score for its 8 rows into its shared
+        memory chunks (kv rows 0..7, then score rows 0..7): 16 independent 16-byte copies."""
         half = lane // 16
         col_tile = rank * (GROUP // self.COLS_PER_LANE) + lane % 16  # 4-column tile index
         score_tile = col_tile + HEAD_DIM // self.COLS_PER_LANE
@@ -278,12 +305,11 @@ class CompressC128:
             for i in cutlass.range_constexpr(self.ROW_STEPS // 2):
                 step = page_in_warp * (self.ROW_STEPS // 2) + i
                 gRow = mState[page, 2 * i + half, None]
-                cute.autovec_copy(
-                    cute.local_tile(gRow, (self.COLS_PER_LANE,), (col_tile,)), tKrK[step, None]
-                )
-                cute.autovec_copy(
-                    cute.local_tile(gRow, (self.COLS_PER_LANE,), (score_tile,)), tSrS[step, None]
-                )
+                cute.copy(g2s, cute.local_tile(gRow, (self.COLS_PER_LANE,), (col_tile,)),
+                          tWsW[None, step])
+                cute.copy(g2s, cute.local_tile(gRow, (self.COLS_PER_LANE,), (score_tile,)),
+                          tWsW[None, self.ROW_STEPS + step])
+        cute.arch.cp_async_commit_group()
 
     @cute.jit
     def pool_rows(
