@@ -615,21 +615,25 @@ def check_compress_c128(
 
 
 _sm_count: dict[int, int] = {}
+SMALL_BATCH_TOKENS = 512  # up to this many tokens the grid is one resident set of clusters
 
 
 def _grid_clusters(device: torch.device, num_tokens: int) -> int:
     """Clusters in the persistent grid, never more than tokens.
 
     At two CTAs per SM an H200 holds 30 clusters of 8 at once (Nsight Compute's "max active
-    clusters"). Twice that many measured best over the benchmark mix: all-boundary batches gain
-    from queued clusters taking over as others finish (4096 windows: 903 / 837 / 701 / 598 us at
-    0.5x / 1x / 2x / 8x), while batches with few boundaries pay for every extra cluster's scan
-    (32 windows in 4096 tokens: 17.5 us at 2x, 25 us at 8x)."""
+    clusters"). How many boundary tokens a batch holds is unknown here (no host sync); extra
+    clusters help batches with many windows (queued clusters take over as others finish) and
+    cost every batch with few (each cluster scans its share of the tokens). Measured on the
+    H200 (specs/compress_c128.md): up to 512 tokens one resident set is best for the common
+    decode case (512 tokens with no boundary 6.1 us, 4 windows 9.5 us; 7.5 / 11.3 at 2x) and
+    costs 512 windows 10 %; above, 2x (4096 windows: 618 us against 750 at 1x)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _sm_count:
         _sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
     resident = CompressC128.CTAS_PER_SM * _sm_count[index] // CompressC128.CLUSTER
-    return max(1, min(num_tokens, 2 * resident))
+    waves = 1 if num_tokens <= SMALL_BATCH_TOKENS else 2
+    return max(1, min(num_tokens, waves * resident))
 
 
 @mutating_op("compress_c128", mutates_args=("k_cache",))
