@@ -18,7 +18,7 @@ import torch
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32, const_expr
 
 from . import dsl_utils as du
-from .arch import arch_for
+from .arch import arch_for, max_active_clusters
 from .compile_cache import KernelCache
 from .ops import mutating_op
 from .validation import (
@@ -614,26 +614,21 @@ def check_compress_c128(
               require_cuda=False)
 
 
-_sm_count: dict[int, int] = {}
-SMALL_BATCH_TOKENS = 512  # up to this many tokens the grid is one resident set of clusters
+GRID_WAVES = 1  # persistent grid = this many resident sets of clusters
 
 
 def _grid_clusters(device: torch.device, num_tokens: int) -> int:
-    """Clusters in the persistent grid, never more than tokens.
+    """Clusters in the persistent grid: as many as the GPU holds at once (30 of 8 CTAs on the
+    H200, from the driver's occupancy calculator), never more than tokens.
 
-    At two CTAs per SM an H200 holds 30 clusters of 8 at once (Nsight Compute's "max active
-    clusters"). How many boundary tokens a batch holds is unknown here (no host sync); extra
-    clusters help batches with many windows (queued clusters take over as others finish) and
-    cost every batch with few (each cluster scans its share of the tokens). Measured on the
-    H200 (specs/compress_c128.md): up to 512 tokens one resident set is best for the common
-    decode case (512 tokens with no boundary 6.1 us, 4 windows 9.5 us; 7.5 / 11.3 at 2x) and
-    costs 512 windows 10 %; above, 2x (4096 windows: 618 us against 750 at 1x)."""
+    One resident set, no queued clusters: a queued cluster only starts when a resident one has
+    finished its whole share, so a grid even slightly above the resident count runs a tail at a
+    fraction of the bandwidth; and a larger grid costs every batch with few windows (each
+    cluster scans its share of the tokens). Measured on the H200: specs/compress_c128.md."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _sm_count:
-        _sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    resident = CompressC128.CTAS_PER_SM * _sm_count[index] // CompressC128.CLUSTER
-    waves = 1 if num_tokens <= SMALL_BATCH_TOKENS else 2
-    return max(1, min(num_tokens, waves * resident))
+    resident = max_active_clusters(index, CompressC128.CLUSTER, CompressC128.CTAS_PER_SM,
+                                   32 * CompressC128.WARPS)
+    return max(1, min(num_tokens, GRID_WAVES * resident))
 
 
 @mutating_op("compress_c128", mutates_args=("k_cache",))

@@ -162,3 +162,19 @@ def test_torch_compile_fullgraph():
     step(case.state_cache, case.k_cache)
     torch.cuda.synchronize()
     _check(case, case.backing)
+
+
+def test_persistent_grid_is_the_resident_cluster_count():
+    """The driver's answer, bounded by the per-SM formula (clusters cannot span GPCs), cached;
+    the grid never exceeds the token count."""
+    from cute_kernels.arch import max_active_clusters
+    from cute_kernels.c128_compressor import GRID_WAVES, CompressC128, _grid_clusters
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    threads = 32 * CompressC128.WARPS
+    resident = max_active_clusters(0, CompressC128.CLUSTER, CompressC128.CTAS_PER_SM, threads)
+    assert 1 <= resident <= CompressC128.CTAS_PER_SM * sms // CompressC128.CLUSTER
+    assert max_active_clusters(0, CompressC128.CLUSTER, 1, threads) <= sms // 8
+    device = torch.device("cuda", 0)
+    assert _grid_clusters(device, 1 << 20) == GRID_WAVES * resident
+    assert _grid_clusters(device, 3) == 3
