@@ -3,6 +3,7 @@ device-to-device copy ceiling measured in the same run."""
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -88,9 +89,12 @@ class Timer:
 
 
 def baseline_error(exc: BaseException) -> str:
-    """One line saying why a baseline could not run (recorded in place of its time)."""
+    """One line saying why a baseline could not run (recorded in place of its time): the last
+    ``...Error: ...`` line of the message (Inductor wraps the worker's error in advice)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    last = lines[-1] if lines else ""
+    errors = [line for line in lines if re.match(r"[\w.]*(Error|Exception): ", line)
+              and "TORCHDYNAMO_VERBOSE" not in line]
+    last = errors[-1] if errors else (lines[-1] if lines else "")
     return f"{type(exc).__name__}: {last}"[:160]
 
 
