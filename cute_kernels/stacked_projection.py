@@ -7,15 +7,13 @@ RoPE in fp32 and bf16 (R3); V heads ``y``. Row ``t`` lands in slot ``cache_loc[t
 ``cache_loc_2d.flatten()[t]``) of ``k_caches[l]`` / ``v_caches[l]``. Contract:
 specs/stacked_kv_proj.md.
 
-Two GEMM cores share one epilogue: on sm_90a TMA + warpgroup ``wgmma`` (mbarrier ring); on
-every arch (sm_100a, and the sm_90a fallback) ``cp.async`` + warp ``mma.sync``. A CTA tile is
-``BM`` tokens x ``BN`` stacked columns with ``D | BN | kv``, so it lies in one layer's K or V
-block and owns whole heads. At T <= 64 a 3-CTA cluster splits H and sums its partial tiles
-through DSMEM, so 240 CTAs (not 80) stream the weight. The fp32 accumulators go through SMEM;
-a second thread mapping then gives each thread 8 columns of one head's first half and the 8
-NeoX partners ``d + D/2`` of one row, so the pair is register-local, the sum of squares is an
-in-thread sum plus a butterfly over the ``D / 16`` threads of the head, and each half leaves as
-one 16-byte store into the cache row.
+Two GEMM cores, one contract. A CTA tile is ``BM`` tokens x ``BN`` stacked columns with
+``D | BN | kv``, so it lies in one layer's K or V block and owns whole heads.
+
+- sm_90a: a persistent, warp-specialised TMA + warpgroup ``wgmma`` GEMM whose epilogue works on
+  the accumulator registers (:class:`StackedKvProjWgmma`).
+- every arch (sm_100a, and the sm_90a fallback): ``cp.async`` + warp ``mma.sync``, one tile per
+  CTA, the accumulators staged through SMEM for the epilogue (:class:`StackedKvProjMma`).
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ import torch
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 
 from . import dsl_utils as du
-from .arch import SUPPORTED_ARCHS, arch_for
+from .arch import SUPPORTED_ARCHS, arch_for, max_active_clusters
 from .compile_cache import KernelCache
 from .ops import mutating_op
 from .validation import (
@@ -48,44 +46,38 @@ from .validation import (
 )
 
 HEAD_DIMS = (64, 128, 256)
-VECTOR_BYTES = 16  # every global access of the epilogue and every cp.async is 16 bytes
+VECTOR_BYTES = 16  # every global access of the mma epilogue and every cp.async is 16 bytes
 MAX_LAYERS = 16  # the caches are kernel arguments: one pointer + stride per layer and per K/V
-CHUNK = 8  # columns per thread per half head in the epilogue (one 16-byte bf16 vector)
+CHUNK = 8  # columns per thread per half head in the mma epilogue (one 16-byte bf16 vector)
 SMEM_BUDGET = 200 * 1024  # bytes of A/B ring per CTA (227 KiB is the sm_90/sm_100 maximum)
 WGMMA_SMEM_BUDGET = 224 * 1024  # the TMA ring adds only its mbarriers
+# setmaxnreg split of the wgmma core's 64 K registers: the TMA warpgroup needs a handful, the
+# MMA warpgroups hold up to 128 fp32 accumulators each (m64n256) plus the epilogue's operands.
+PRODUCER_REGS = 40
+CONSUMER_REGS = 232
 
 
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
-    """A CTA tile and its pipeline. ``bn`` is derived from the head dim (see :func:`tile_n`);
-    the stage counts are caps (wide D = 256 tiles get fewer)."""
+    """A CTA tile: ``bm`` tokens x ``bn`` stacked columns, ``bn`` from :func:`tile_n`."""
 
     name: str
     bm: int  # tokens per CTA tile
-    bk: int  # K extent per pipeline stage
-    stages: int  # cp.async ring depth (mma core)
-    warps_m: int  # mma core warp grid; the wgmma core uses one warpgroup per 64 rows
-    warps_n: int
-    wgmma_stages: int  # TMA ring depth (wgmma core)
-    ksplit: int = 1  # CTAs of a cluster that split H and reduce through DSMEM
+    wide: bool  # 256-column tiles where kv allows (two D = 128 heads: m64n256 wgmma)
+    mma_stages: int  # cp.async ring depth cap of the mma core (the wgmma ring fills its budget)
+    cost: float  # time of one tile relative to m128, measured (see choose_tile)
 
 
-# Small T is weight-bandwidth bound: TILE_SMALL (64-row tiles, one per N tile at T <= 64, so
-# 80 CTAs for N = 10240) keeps as many bytes in flight per CTA as the SMEM allows (mma: 8
-# stages x 24 KiB; wgmma: 9 stages). Large T is math bound: 128 x 128 tiles; the wgmma core
-# keeps 3 stages (97 KiB) so two CTAs share an SM and one's epilogue overlaps the other's main
-# loop. TILE_SPLIT splits H over a 3-CTA cluster (240 CTAs, two per SM at 96 KiB of ring
-# each) and sums the partial tiles through DSMEM; it is never picked by default: on the H200
-# (2026-11-29, cold, L 5, n_kv 8, D 128, T in {1, 16, 64}) it measured 41-43 us against 35-36
-# for TILE_SMALL at H = 4096 and 31-33 against 25 at H = 2560. It stays selectable for
-# comparison (CUTE_KERNELS_STACKED_TILE=m64k3). The m64 / m128 edge is where they cross:
-# T = 128: 44.3 / 50.6 us, T = 256: 59.4 / 55.1 us (H = 4096).
-TILE_SPLIT = TileConfig("m64k3", bm=64, bk=64, stages=4, warps_m=2, warps_n=2, wgmma_stages=4,
-                        ksplit=3)
-TILE_SMALL = TileConfig("m64", bm=64, bk=64, stages=8, warps_m=2, warps_n=2, wgmma_stages=16)
-TILE_LARGE = TileConfig("m128", bm=128, bk=64, stages=4, warps_m=2, warps_n=4, wgmma_stages=3)
-TILES = {t.name: t for t in (TILE_SPLIT, TILE_SMALL, TILE_LARGE)}
-SMALL_T_MAX = 128  # T <= this uses TILE_SMALL
+# Small T is weight-bandwidth bound: m64 keeps the most bytes in flight per weight tile (80
+# CTAs for N = 10240). Larger T is math bound: 128-row tiles, and on the wgmma core 128 x 256
+# (two consumer warpgroups of m64n256, the shape with the least SMEM and L2 operand traffic
+# per MMA). Costs: H200, 2026-11-29, cold, H 4096, L 5, n_kv 8, D 128 (specs/stacked_kv_proj.md):
+# m64 streams a weight tile in 0.85 of m128's time at T = 64; m128w does twice m128's work in
+# 1.75 of its time at T >= 1024.
+TILE_SMALL = TileConfig("m64", bm=64, wide=False, mma_stages=8, cost=0.85)
+TILE_MEDIUM = TileConfig("m128", bm=128, wide=False, mma_stages=4, cost=1.0)
+TILE_WIDE = TileConfig("m128w", bm=128, wide=True, mma_stages=0, cost=1.75)
+TILES = {t.name: t for t in (TILE_SMALL, TILE_MEDIUM, TILE_WIDE)}
 IMPLS = {"mma": None, "wgmma": None}  # filled below with the kernel classes
 #: ``auto`` (default: wgmma on sm_90a, mma elsewhere), ``mma`` or ``wgmma`` (sm_90a only).
 IMPL_ENV = "CUTE_KERNELS_STACKED_IMPL"
@@ -93,9 +85,17 @@ IMPL_ENV = "CUTE_KERNELS_STACKED_IMPL"
 TILE_ENV = "CUTE_KERNELS_STACKED_TILE"
 
 
-def tile_n(head_dim: int, kv: int) -> int:
+def tiles_for(impl: str) -> tuple[str, ...]:
+    """Tile configs a core compiles: the mma core has no wide tile (its SMEM-staged epilogue
+    would need 135 KiB of fp32 C for 128 x 256)."""
+    return tuple(name for name, t in TILES.items() if impl == "wgmma" or not t.wide)
+
+
+def tile_n(head_dim: int, kv: int, wide: bool = False) -> int:
     """Columns per CTA tile: a multiple of D that divides kv (so a tile never straddles the
-    K/V boundary or a layer), 128 or 256 when possible."""
+    K/V boundary or a layer), 128 (256 for a wide tile) when possible."""
+    if wide and kv % 256 == 0:
+        return 256
     bn = max(head_dim, 128)
     return bn if kv % bn == 0 else head_dim
 
@@ -136,8 +136,26 @@ def _add_rn(a: Float32, b: Float32) -> Float32:
     )
 
 
+def _r1(acc: Float32, bias: Float32 | None) -> Float32:
+    """R1: ``bf16(acc + b)``."""
+    return du.round_to_bf16(acc if bias is None else _add_rn(acc, bias))
+
+
+def _r2(y: Float32, rstd: Float32, weight: Float32) -> Float32:
+    """R2: ``bf16((y * rstd) * w)``, each product rounded on its own (as PyTorch's)."""
+    return du.round_to_bf16(du.mul_rn(du.mul_rn(y, rstd), weight))
+
+
+def _neox_rotate(x1: Float32, x2: Float32, cos: Float32, sin: Float32) -> tuple:
+    """NeoX RoPE of the pair (d, d + D/2) in fp32, products and sums rounded one by one (the
+    bf16 rounding R3 happens at the store)."""
+    return (_sub_rn(du.mul_rn(x1, cos), du.mul_rn(x2, sin)),
+            _add_rn(du.mul_rn(x2, cos), du.mul_rn(x1, sin)))
+
+
 class _StackedKvProjBase:
-    """Static configuration and the epilogue shared by both GEMM cores."""
+    """Static configuration, the tile raster and the destination of a tile's rows, shared by
+    both GEMM cores."""
 
     def __init__(
         self,
@@ -149,7 +167,6 @@ class _StackedKvProjBase:
         norm_dtype: type,
         tile: TileConfig,
         threads: int,
-        stage_budget: int,
     ) -> None:
         self.num_layers = num_layers
         self.n_kv = n_kv
@@ -159,61 +176,27 @@ class _StackedKvProjBase:
         self.has_bias = has_bias
         self.has_commit = has_commit
         self.norm_dtype = norm_dtype
-        self.bm, self.bk = tile.bm, tile.bk
-        self.ksplit = tile.ksplit
-        self.bn = tile_n(head_dim, self.kv)
-        # D = 256 tiles are twice as wide: fewer stages keep the ring inside the budget.
-        stage_bytes = (self.bm + self.bn) * self.bk * 2
-        self.stages = max(3, min(tile.stages, stage_budget // stage_bytes))
+        self.bm, self.bk = tile.bm, 64  # bk: one 128-byte swizzle atom of bf16 per row
+        self.bn = tile_n(head_dim, self.kv, tile.wide)
         self.threads = threads
         self.num_n_tiles = self.n_total // self.bn
-        # Epilogue thread mapping: lanes_per_head threads per (row, head), heads of the tile
-        # next, rows last; each thread keeps its columns for every row it handles.
-        self.lanes_per_head = head_dim // (2 * CHUNK)
         self.heads_per_tile = self.bn // head_dim
-        self.row_step = self.threads // (self.lanes_per_head * self.heads_per_tile)
-        self.group_m = 8  # CTA raster: 8 M tiles share each weight tile while it is in L2
-        assert self.row_step >= 1 and self.bm % self.row_step == 0
-        assert self.bm // self.row_step >= self.ksplit  # every rank stores some rows
-        self.c_stride = self.bn + 8  # fp32 staging row, padded: 2 wavefronts per 64-bit store
-        assert self.bm * self.c_stride * 4 <= self.stages * stage_bytes, "C reuses the A/B ring"
+        # CTA raster: 8 M tiles share each weight tile while it is in L2 (16 and 32 measured
+        # no faster at T = 8192)
+        self.group_m = 8
+
+    def ring_stages(self, cap: int, budget: int) -> int:
+        """A/B ring depth: ``cap`` stages, fewer if the budget holds fewer."""
+        return max(2, min(cap, budget // ((self.bm + self.bn) * self.bk * 2)))
 
     @cute.jit
-    def split_coords(self, bid: Int32, k_tiles: Int32) -> tuple:
-        """(output tile index, rank in the split cluster, first k-tile, k-tile count): the
-        ``ksplit`` consecutive CTAs of a cluster share a tile, rank r takes k-tiles
-        ``[k*r/S, k*(r+1)/S)``."""
-        tile_bid = bid // self.ksplit
-        rank = bid - tile_bid * self.ksplit
-        k_begin = (k_tiles * rank) // self.ksplit
-        k_end = (k_tiles * (rank + 1)) // self.ksplit
-        return tile_bid, rank, k_begin, k_end - k_begin
-
-    @cute.jit
-    def publish_partials(self) -> None:
-        """The staged C tile is complete and visible to every thread that reads it: the CTA
-        (no split) or every CTA of the cluster (DSMEM reads)."""
-        if const_expr(self.ksplit == 1):
-            cute.arch.sync_threads()
-        else:
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-
-    @cute.jit
-    def retire(self) -> None:
-        """With a split, no CTA may exit while a partner still reads its SMEM."""
-        if const_expr(self.ksplit > 1):
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-
-    @cute.jit
-    def tile_coords(self, bid: Int32, num_m_tiles: Int32) -> tuple:
+    def tile_coords(self, tile: Int32, num_m_tiles: Int32) -> tuple:
         """Grouped raster: ``group_m`` M tiles run next to each other on each weight tile."""
         per_group = self.group_m * self.num_n_tiles
-        group = bid // per_group
+        group = tile // per_group
         first_m = group * self.group_m
         group_rows = cutlass.min(num_m_tiles - first_m, self.group_m)
-        in_group = bid - group * per_group
+        in_group = tile - group * per_group
         tile_m = first_m + in_group % group_rows
         tile_n = in_group // group_rows
         return tile_m, tile_n
@@ -230,169 +213,61 @@ class _StackedKvProjBase:
         return base, stride
 
     @cute.jit
-    def epilogue(
-        self,
-        sC: cute.Tensor,
-        mBias: cute.Tensor | None,
-        mNormW: cute.Tensor,
-        eps: Float32,
-        mPos: cute.Tensor,
-        mCosSin: cute.Tensor,
-        mLoc: cute.Tensor,
-        mCommit: cute.Tensor | None,
-        width: Int32,
-        k_caches: tuple,
-        v_caches: tuple,
-        tile_m: Int32,
-        tile_n: Int32,
-        tidx: Int32,
-        rank: Int32,
-    ) -> None:
-        """Rows of the tile -> cache rows. With a split, rank r handles row group ``it`` when
-        ``it % ksplit == r`` and sums the ranks' partial tiles in rank order (DSMEM)."""
-        half = self.head_dim // 2
+    def tile_destination(self, tile_n: Int32, k_caches: tuple, v_caches: tuple,
+                         tile_col: Int32) -> tuple:
+        """Where column ``tile_col`` of weight tile ``tile_n`` goes: (layer, is K, byte address
+        of that column in cache row 0, cache row stride in bytes). A tile lies in one layer's
+        K or V block (``bn | kv``), so all of it is CTA-uniform but ``tile_col``."""
         n0 = tile_n * self.bn
         layer = n0 // (2 * self.kv)
         in_layer = n0 - layer * (2 * self.kv)
         is_v = in_layer >= self.kv
-        is_k = in_layer < self.kv
         col0 = in_layer - cutlass.select_(is_v, Int32(self.kv), Int32(0))  # column in K or V
-
-        lane_in_head = tidx % self.lanes_per_head
-        head = (tidx // self.lanes_per_head) % self.heads_per_tile
-        row_first = tidx // (self.lanes_per_head * self.heads_per_tile)
-        col_lo = head * self.head_dim + lane_in_head * CHUNK  # tile column of the first half
-
         k_base, k_stride = self.cache_row_base(k_caches, layer)
         v_base, v_stride = self.cache_row_base(v_caches, layer)
-        base = cutlass.select_(is_v, v_base, k_base) + Int64(col0 + col_lo) * 2
-        row_bytes = cutlass.select_(is_v, v_stride, k_stride)
-
-        # Per-thread constants: its 16 bias values and 16 norm weights (same for every row).
-        rBias = cute.make_rmem_tensor((2 * CHUNK,), Float32)
-        if const_expr(self.has_bias):
-            rB16 = cute.make_rmem_tensor((CHUNK,), BFloat16)
-            for h in cutlass.range_constexpr(2):
-                gb = cute.local_tile(mBias, (CHUNK,), ((n0 + col_lo + h * half) // CHUNK,))
-                cute.autovec_copy(gb, rB16)
-                for i in cutlass.range_constexpr(CHUNK):
-                    rBias[h * CHUNK + i] = rB16[i].to(Float32)
-        rNorm = cute.make_rmem_tensor((2 * CHUNK,), Float32)
-        rN = cute.make_rmem_tensor((CHUNK,), self.norm_dtype)
-        d_lo = lane_in_head * CHUNK
-        for h in cutlass.range_constexpr(2):
-            gn = cute.local_tile(mNormW[layer, None], (CHUNK,), ((d_lo + h * half) // CHUNK,))
-            cute.autovec_copy(gn, rN)
-            for i in cutlass.range_constexpr(CHUNK):
-                rNorm[h * CHUNK + i] = rN[i].to(Float32)
-
-        num_tokens = mLoc.shape[0]
-        inv_d = Float32(1.0 / self.head_dim)  # exact: D is a power of two
-        rY = cute.make_rmem_tensor((2 * CHUNK,), Float32)
-        rCos = cute.make_rmem_tensor((CHUNK,), Float32)
-        rSin = cute.make_rmem_tensor((CHUNK,), Float32)
-        rOut = cute.make_rmem_tensor((CHUNK // 2,), Uint32)
-        rAcc = cute.make_rmem_tensor((CHUNK,), Float32)
-        rPart = cute.make_rmem_tensor((CHUNK,), Float32)
-        parts = [sC]
-        if const_expr(self.ksplit > 1):
-            parts = [cute.make_tensor(cute.arch.map_dsmem_ptr(sC.iterator, r), sC.layout)
-                     for r in range(self.ksplit)]
-        for it in cutlass.range_constexpr(self.bm // self.row_step):
-            if const_expr(self.ksplit == 1):
-                self.epilogue_row(
-                    sC, parts, rAcc, rPart, rY, rCos, rSin, rOut, rBias, rNorm, eps, inv_d,
-                    mPos, mCosSin, mLoc, mCommit, width, row_first + it * self.row_step,
-                    tile_m, is_k, base, row_bytes, col_lo, d_lo, lane_in_head, num_tokens,
-                )
-            else:
-                if it % self.ksplit == rank:
-                    self.epilogue_row(
-                        sC, parts, rAcc, rPart, rY, rCos, rSin, rOut, rBias, rNorm, eps, inv_d,
-                        mPos, mCosSin, mLoc, mCommit, width, row_first + it * self.row_step,
-                        tile_m, is_k, base, row_bytes, col_lo, d_lo, lane_in_head, num_tokens,
-                    )
+        base = cutlass.select_(is_v, v_base, k_base) + Int64(col0 + tile_col) * 2
+        return layer, in_layer < self.kv, base, cutlass.select_(is_v, v_stride, k_stride)
 
     @cute.jit
-    def epilogue_row(
-        self, sC, parts, rAcc, rPart, rY, rCos, rSin, rOut, rBias, rNorm, eps, inv_d, mPos,
-        mCosSin, mLoc, mCommit, width, row, tile_m, is_k, base, row_bytes, col_lo, d_lo,
-        lane_in_head, num_tokens,
-    ) -> None:
-        """One row of the tile for this thread: R1, then (K) norm R2 and RoPE R3, then store."""
-        half = self.head_dim // 2
-        token = tile_m * self.bm + row
-        in_range = token < num_tokens
+    def row_destination(self, mLoc: cute.Tensor, mCommit: cute.Tensor | None, width: Int32,
+                        token: Int32) -> tuple:
+        """(token clamped into range, cache slot, whether the row is written): a row is written
+        when it is a real token, its slot is not negative and, with ``cache_loc_2d``, its
+        column is below its request's ``commit_lens``."""
+        in_range = token < mLoc.shape[0]
         t = cutlass.select_(in_range, token, Int32(0))
         slot = mLoc[t]
         valid = in_range & (slot >= 0)
         if const_expr(self.has_commit):
             req = t // width
             valid = valid & ((t - req * width) < mCommit[req])
-
-        for h in cutlass.range_constexpr(2):
-            col = (col_lo + h * half) // CHUNK
-            if const_expr(self.ksplit == 1):
-                cute.autovec_copy(cute.local_tile(sC[row, None], (CHUNK,), (col,)), rAcc)
-            else:
-                for r in cutlass.range_constexpr(self.ksplit):  # fixed order: rank 0, 1, ..
-                    part = parts[r]
-                    src = cute.local_tile(part[row, None], (CHUNK,), (col,))
-                    if const_expr(r == 0):
-                        cute.autovec_copy(src, rAcc)
-                    else:
-                        cute.autovec_copy(src, rPart)
-                        for i in cutlass.range_constexpr(CHUNK):
-                            rAcc[i] = _add_rn(rAcc[i], rPart[i])
-            for i in cutlass.range_constexpr(CHUNK):
-                acc = rAcc[i]
-                if const_expr(self.has_bias):
-                    acc = _add_rn(acc, rBias[h * CHUNK + i])
-                rY[h * CHUNK + i] = du.round_to_bf16(acc)  # R1
-
-        if is_k:
-            # Every lane of the warp is here (is_v is CTA-uniform): safe to shuffle.
-            ss = Float32(0.0)
-            for i in cutlass.range_constexpr(2 * CHUNK):
-                ss = ss + rY[i] * rY[i]
-            offset = 1
-            for _ in cutlass.range_constexpr(int(math.log2(self.lanes_per_head))):
-                ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=offset)
-                offset *= 2
-            rstd = _rsqrt_approx(ss * inv_d + eps)
-            for i in cutlass.range_constexpr(2 * CHUNK):
-                rY[i] = du.round_to_bf16(du.mul_rn(du.mul_rn(rY[i], rstd), rNorm[i]))  # R2
-            position = cutlass.select_(valid, mPos[t], Int64(0))
-            gCS = mCosSin[position, None]
-            cute.autovec_copy(cute.local_tile(gCS, (CHUNK,), (lane_in_head,)), rCos)
-            cute.autovec_copy(
-                cute.local_tile(gCS, (CHUNK,), ((half + d_lo) // CHUNK,)), rSin
-            )
-            for i in cutlass.range_constexpr(CHUNK):
-                x1 = rY[i]
-                x2 = rY[CHUNK + i]
-                rY[i] = _sub_rn(du.mul_rn(x1, rCos[i]), du.mul_rn(x2, rSin[i]))
-                rY[CHUNK + i] = _add_rn(du.mul_rn(x2, rCos[i]), du.mul_rn(x1, rSin[i]))
-
-        if valid:
-            row_addr = base + Int64(slot) * row_bytes
-            for h in cutlass.range_constexpr(2):
-                for w in cutlass.range_constexpr(CHUNK // 2):
-                    rOut[w] = du.pack_bf16x2(  # R3 (K) / exact (V)
-                        rY[h * CHUNK + 2 * w], rY[h * CHUNK + 2 * w + 1]
-                    )
-                du.store_words(row_addr + h * half * 2, rOut)
+        return t, slot, valid
 
 
 class StackedKvProjMma(_StackedKvProjBase):
-    """Portable ``mma.sync`` GEMM + norm/RoPE/scatter epilogue (runs on sm_80 and later)."""
+    """Portable ``mma.sync`` GEMM + norm/RoPE/scatter epilogue (runs on sm_80 and later).
+
+    The fp32 accumulators go through SMEM; a second thread mapping then gives each thread 8
+    columns of one head's first half and the 8 NeoX partners ``d + D/2`` of one row, so the
+    pair is register-local, the sum of squares is an in-thread sum plus a butterfly over the
+    ``D / 16`` threads of the head, and each half leaves as one 16-byte store."""
 
     def __init__(self, num_layers: int, n_kv: int, head_dim: int, has_bias: bool,
                  has_commit: bool, norm_dtype: type, tile: TileConfig) -> None:
+        assert not tile.wide, "the mma core has no wide tile"
+        self.warps_m, self.warps_n = 2, tile.bm // 32
         super().__init__(num_layers, n_kv, head_dim, has_bias, has_commit, norm_dtype, tile,
-                         32 * tile.warps_m * tile.warps_n, SMEM_BUDGET)
-        self.warps_m, self.warps_n = tile.warps_m, tile.warps_n
+                         32 * self.warps_m * self.warps_n)
+        self.stages = self.ring_stages(tile.mma_stages, SMEM_BUDGET)
         assert self.bm % (16 * self.warps_m) == 0 and self.bn % (16 * self.warps_n) == 0
+        # Epilogue thread mapping: lanes_per_head threads per (row, head), heads of the tile
+        # next, rows last; each thread keeps its columns for every row it handles.
+        self.lanes_per_head = head_dim // (2 * CHUNK)
+        self.row_step = self.threads // (self.lanes_per_head * self.heads_per_tile)
+        assert self.row_step >= 1 and self.bm % self.row_step == 0
+        self.c_stride = self.bn + 8  # fp32 staging row, padded: 2 wavefronts per 64-bit store
+        stage_bytes = (self.bm + self.bn) * self.bk * 2
+        assert self.bm * self.c_stride * 4 <= self.stages * stage_bytes, "C reuses the A/B ring"
 
     # -- host side -------------------------------------------------------------------------
 
@@ -449,9 +324,8 @@ class StackedKvProjMma(_StackedKvProjBase):
             mX, mW, mBias, mNormW, eps, mPos, mCosSin, mLoc, mCommit, width, k_caches, v_caches,
             sA_layout, sB_layout, copy_a, copy_b, tiled_mma,
         ).launch(
-            grid=[num_m_tiles * self.num_n_tiles * self.ksplit, 1, 1],
+            grid=[num_m_tiles * self.num_n_tiles, 1, 1],
             block=[self.threads, 1, 1],
-            cluster=[self.ksplit, 1, 1] if self.ksplit > 1 else None,
             stream=stream,
         )
 
@@ -482,27 +356,24 @@ class StackedKvProjMma(_StackedKvProjBase):
         bid, _, _ = cute.arch.block_idx()
         num_tokens = mX.shape[0]
         num_m_tiles = cute.ceil_div(num_tokens, self.bm)
-        tile_bid, rank, k_begin, k_count = self.split_coords(bid, mX.shape[1] // self.bk)
-        tile_m, tile_n = self.tile_coords(tile_bid, num_m_tiles)
+        tile_m, tile_n = self.tile_coords(bid, num_m_tiles)
 
         smem = cutlass.memory.SmemAllocator()
         sA = smem.allocate_tensor(BFloat16, sA_layout, 1024)
         sB = smem.allocate_tensor(BFloat16, sB_layout, 1024)
 
-        tCrC = self.mainloop(mX, mW, sA, sB, copy_a, copy_b, tiled_mma, tile_m, tile_n, tidx,
-                             k_begin, k_count)
+        tCrC = self.mainloop(mX, mW, sA, sB, copy_a, copy_b, tiled_mma, tile_m, tile_n, tidx)
 
         # fp32 accumulators -> padded SMEM tile (reusing the ring), then the epilogue mapping.
         c_layout = cute.make_layout((self.bm, self.bn), stride=(self.c_stride, 1))
         sC = cute.make_tensor(cute.recast_ptr(sA.iterator, dtype=Float32), c_layout)
         thr_mma = tiled_mma.get_slice(tidx)
         cute.autovec_copy(tCrC, thr_mma.partition_C(sC))
-        self.publish_partials()
+        cute.arch.sync_threads()
         self.epilogue(
             sC, mBias, mNormW, eps, mPos, mCosSin, mLoc, mCommit, width, k_caches, v_caches,
-            tile_m, tile_n, tidx, rank,
+            tile_m, tile_n, tidx,
         )
-        self.retire()
 
     @cute.jit
     def mainloop(
@@ -517,11 +388,9 @@ class StackedKvProjMma(_StackedKvProjBase):
         tile_m: Int32,
         tile_n: Int32,
         tidx: Int32,
-        k_begin: Int32,
-        k_tiles: Int32,
     ) -> cute.Tensor:
-        """``acc = X[tile_m] @ W[tile_n]^T`` over k-tiles ``[k_begin, k_begin + k_tiles)`` (all
-        of H without a split); returns the fp32 fragment."""
+        """``acc = X[tile_m] @ W[tile_n]^T`` over all of H; returns the fp32 fragment."""
+        k_tiles = mX.shape[1] // self.bk
         gA = cute.local_tile(mX, (self.bm, self.bk), (tile_m, None))  # (bm, bk, k_tiles)
         gB = cute.local_tile(mW, (self.bn, self.bk), (tile_n, None))
         cA = cute.local_tile(cute.make_identity_tensor(mX.shape), (self.bm, self.bk),
@@ -547,9 +416,9 @@ class StackedKvProjMma(_StackedKvProjBase):
         # Prologue: stages - 1 tiles in flight (fewer when H is short; every group committed).
         for s in cutlass.range_constexpr(self.stages - 1):
             if s < k_tiles:
-                cute.copy(copy_a, tAgA[None, None, None, k_begin + s],
+                cute.copy(copy_a, tAgA[None, None, None, s],
                           tAsA[None, None, None, s], pred=tApA)
-                cute.copy(copy_b, tBgB[None, None, None, k_begin + s],
+                cute.copy(copy_b, tBgB[None, None, None, s],
                           tBsB[None, None, None, s])
             cute.arch.cp_async_commit_group()
 
@@ -601,9 +470,9 @@ class StackedKvProjMma(_StackedKvProjBase):
                 cute.copy(s2r_b, tXsB_p[None, None, kb_next], tXrB[None, None, kb_next])
                 if const_expr(kb == 0):
                     if next_tile < k_tiles:
-                        cute.copy(copy_a, tAgA[None, None, None, k_begin + next_tile],
+                        cute.copy(copy_a, tAgA[None, None, None, next_tile],
                                   tAsA[None, None, None, write_stage], pred=tApA)
-                        cute.copy(copy_b, tBgB[None, None, None, k_begin + next_tile],
+                        cute.copy(copy_b, tBgB[None, None, None, next_tile],
                                   tBsB[None, None, None, write_stage])
                     next_tile = next_tile + 1
                     cute.arch.cp_async_commit_group()
@@ -617,19 +486,126 @@ class StackedKvProjMma(_StackedKvProjBase):
         cute.arch.sync_threads()  # the ring is reused for the C staging tile
         return tCrC
 
+    @cute.jit
+    def epilogue(
+        self,
+        sC: cute.Tensor,
+        mBias: cute.Tensor | None,
+        mNormW: cute.Tensor,
+        eps: Float32,
+        mPos: cute.Tensor,
+        mCosSin: cute.Tensor,
+        mLoc: cute.Tensor,
+        mCommit: cute.Tensor | None,
+        width: Int32,
+        k_caches: tuple,
+        v_caches: tuple,
+        tile_m: Int32,
+        tile_n: Int32,
+        tidx: Int32,
+    ) -> None:
+        """Rows of the staged fp32 tile -> cache rows."""
+        half = self.head_dim // 2
+        lane_in_head = tidx % self.lanes_per_head
+        head = (tidx // self.lanes_per_head) % self.heads_per_tile
+        row_first = tidx // (self.lanes_per_head * self.heads_per_tile)
+        col_lo = head * self.head_dim + lane_in_head * CHUNK  # tile column of the first half
+        layer, is_k, base, row_bytes = self.tile_destination(tile_n, k_caches, v_caches, col_lo)
+
+        # Per-thread constants: its 16 bias values and 16 norm weights (same for every row).
+        rBias = cute.make_rmem_tensor((2 * CHUNK,), Float32)
+        if const_expr(self.has_bias):
+            rB16 = cute.make_rmem_tensor((CHUNK,), BFloat16)
+            for h in cutlass.range_constexpr(2):
+                gb = cute.local_tile(
+                    mBias, (CHUNK,), ((tile_n * self.bn + col_lo + h * half) // CHUNK,)
+                )
+                cute.autovec_copy(gb, rB16)
+                for i in cutlass.range_constexpr(CHUNK):
+                    rBias[h * CHUNK + i] = rB16[i].to(Float32)
+        rNorm = cute.make_rmem_tensor((2 * CHUNK,), Float32)
+        rN = cute.make_rmem_tensor((CHUNK,), self.norm_dtype)
+        d_lo = lane_in_head * CHUNK
+        for h in cutlass.range_constexpr(2):
+            gn = cute.local_tile(mNormW[layer, None], (CHUNK,), ((d_lo + h * half) // CHUNK,))
+            cute.autovec_copy(gn, rN)
+            for i in cutlass.range_constexpr(CHUNK):
+                rNorm[h * CHUNK + i] = rN[i].to(Float32)
+
+        inv_d = Float32(1.0 / self.head_dim)  # exact: D is a power of two
+        rAcc = cute.make_rmem_tensor((CHUNK,), Float32)
+        rY = cute.make_rmem_tensor((2 * CHUNK,), Float32)
+        rCos = cute.make_rmem_tensor((CHUNK,), Float32)
+        rSin = cute.make_rmem_tensor((CHUNK,), Float32)
+        rOut = cute.make_rmem_tensor((CHUNK // 2,), Uint32)
+        for it in cutlass.range_constexpr(self.bm // self.row_step):
+            row = row_first + it * self.row_step
+            t, slot, valid = self.row_destination(mLoc, mCommit, width, tile_m * self.bm + row)
+            for h in cutlass.range_constexpr(2):
+                col = (col_lo + h * half) // CHUNK
+                cute.autovec_copy(cute.local_tile(sC[row, None], (CHUNK,), (col,)), rAcc)
+                for i in cutlass.range_constexpr(CHUNK):
+                    rY[h * CHUNK + i] = _r1(
+                        rAcc[i], rBias[h * CHUNK + i] if const_expr(self.has_bias) else None
+                    )
+
+            if is_k:
+                # Every lane of the warp is here (is_k is CTA-uniform): safe to shuffle.
+                ss = Float32(0.0)
+                for i in cutlass.range_constexpr(2 * CHUNK):
+                    ss = ss + rY[i] * rY[i]
+                offset = 1
+                for _ in cutlass.range_constexpr(int(math.log2(self.lanes_per_head))):
+                    ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=offset)
+                    offset *= 2
+                rstd = _rsqrt_approx(ss * inv_d + eps)
+                for i in cutlass.range_constexpr(2 * CHUNK):
+                    rY[i] = _r2(rY[i], rstd, rNorm[i])
+                position = cutlass.select_(valid, mPos[t], Int64(0))
+                gCS = mCosSin[position, None]
+                cute.autovec_copy(cute.local_tile(gCS, (CHUNK,), (lane_in_head,)), rCos)
+                cute.autovec_copy(
+                    cute.local_tile(gCS, (CHUNK,), ((half + d_lo) // CHUNK,)), rSin
+                )
+                for i in cutlass.range_constexpr(CHUNK):
+                    rY[i], rY[CHUNK + i] = _neox_rotate(rY[i], rY[CHUNK + i], rCos[i], rSin[i])
+
+            if valid:
+                row_addr = base + Int64(slot) * row_bytes
+                for h in cutlass.range_constexpr(2):
+                    for w in cutlass.range_constexpr(CHUNK // 2):
+                        rOut[w] = du.pack_bf16x2(  # R3 (K) / exact (V)
+                            rY[h * CHUNK + 2 * w], rY[h * CHUNK + 2 * w + 1]
+                        )
+                    du.store_words(row_addr + h * half * 2, rOut)
+
+
 class StackedKvProjWgmma(_StackedKvProjBase):
-    """sm_90a core: TMA loads into an mbarrier-guarded SMEM ring (``PipelineTmaAsync``) and
-    warpgroup ``wgmma`` (m64nNk16, both operands from SMEM). One warpgroup per 64 rows of the
-    tile; warp 0 also issues the TMA loads, ``stages`` tiles ahead. Rows of ``ctx_hidden``
-    beyond T are zero-filled by TMA. Same SMEM-staged epilogue as the portable core."""
+    """sm_90a core: persistent and warp-specialised.
+
+    Warpgroup 0 is the producer: one thread issues the TMA loads of A and B k-tiles into an
+    mbarrier-guarded SMEM ring (``PipelineTmaAsync``), running ahead across tile boundaries, so
+    the next tile's first stages land while the consumers run the epilogue. Warpgroups 1.. are
+    consumers, one per 64 rows of the tile: ``wgmma`` m64nBNk16 from SMEM, one commit group in
+    flight. ``setmaxnreg`` moves registers from the producer to the consumers. Rows of
+    ``ctx_hidden`` beyond T are zero-filled by TMA. The CTAs stride over the tiles in the
+    grouped raster order.
+
+    The epilogue works on the accumulator registers, with no SMEM round trip. In the wgmma
+    fragment, thread ``(warp w, lane l)`` of a consumer warpgroup holds rows ``16w + l/4`` and
+    ``+8`` at columns ``8j + 2(l%4) + {0, 1}`` for every ``j``: a row of a head is spread over
+    the 4 lanes of a quad, and the NeoX partner ``d + D/2`` of a column is in the same thread
+    (D/2 is a multiple of 8). So the sum of squares is an in-thread sum plus two quad shuffles,
+    RoPE is register-local, and each thread stores 4-byte pairs (a quad writes 16 contiguous
+    bytes per ``j``; L2 merges the sectors of a cache row before they reach DRAM)."""
 
     def __init__(self, num_layers: int, n_kv: int, head_dim: int, has_bias: bool,
                  has_commit: bool, norm_dtype: type, tile: TileConfig) -> None:
-        super().__init__(num_layers, n_kv, head_dim, has_bias, has_commit, norm_dtype,
-                         dataclasses.replace(tile, stages=tile.wgmma_stages),
-                         128 * (tile.bm // 64), WGMMA_SMEM_BUDGET)
-        assert self.bm in (64, 128) and self.bn in (64, 128, 256) and self.bk == 64
-        self.warpgroups = self.bm // 64
+        self.consumer_warpgroups = tile.bm // 64
+        super().__init__(num_layers, n_kv, head_dim, has_bias, has_commit, norm_dtype, tile,
+                         128 * (1 + self.consumer_warpgroups))
+        self.stages = self.ring_stages(16, WGMMA_SMEM_BUDGET)
+        assert self.bm in (64, 128) and self.bn in (64, 128, 256)
 
     @cute.jit
     def __call__(
@@ -646,12 +622,13 @@ class StackedKvProjWgmma(_StackedKvProjBase):
         width: Int32,
         k_caches: tuple,
         v_caches: tuple,
+        max_ctas: Int32,
         stream: cuda.CUstream,
     ) -> None:
         k_major = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR  # both operands are [rows, H], H inner
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(),
-            Float32, (self.warpgroups, 1, 1), tiler_mn=(64, self.bn),
+            Float32, (self.consumer_warpgroups, 1, 1), tiler_mn=(64, self.bn),
         )
         tile_mnk = (self.bm, self.bn, self.bk)
         sA_layout = sm90_utils.make_smem_layout_a(k_major, tile_mnk, BFloat16, self.stages)
@@ -676,14 +653,13 @@ class StackedKvProjWgmma(_StackedKvProjBase):
             sB: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sB_layout)], 1024]
 
         self.shared_storage = SharedStorage
-        num_m_tiles = cute.ceil_div(mX.shape[0], self.bm)
+        num_tiles = cute.ceil_div(mX.shape[0], self.bm) * self.num_n_tiles
         self.kernel(
             tma_a, tma_mA, tma_b, tma_mW, mBias, mNormW, eps, mPos, mCosSin, mLoc, mCommit,
             width, k_caches, v_caches, sA_layout, sB_layout, tiled_mma,
         ).launch(
-            grid=[num_m_tiles * self.num_n_tiles * self.ksplit, 1, 1],
+            grid=[cutlass.min(num_tiles, max_ctas), 1, 1],
             block=[self.threads, 1, 1],
-            cluster=[self.ksplit, 1, 1] if self.ksplit > 1 else None,
             stream=stream,
         )
 
@@ -710,13 +686,14 @@ class StackedKvProjWgmma(_StackedKvProjBase):
     ) -> None:
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
         num_m_tiles = cute.ceil_div(mLoc.shape[0], self.bm)
-        tile_bid, rank, k_begin, k_tiles = self.split_coords(bid, mA.shape[1] // self.bk)
-        tile_m, tile_n = self.tile_coords(tile_bid, num_m_tiles)
+        num_tiles = num_m_tiles * self.num_n_tiles
+        k_tiles = mA.shape[1] // self.bk
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -727,72 +704,89 @@ class StackedKvProjWgmma(_StackedKvProjBase):
             barrier_storage=storage.full_empty.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads // 32),
+            # one release per consumer warp
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 4 * self.consumer_warpgroups
+            ),
             tx_count=stage_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
             defer_sync=True,
         )
-        # The ring is private to this CTA even inside a split cluster: lane 0 of every warp
-        # releases a stage (the helper derives the signalling lanes from the cluster rank,
-        # which would silence the releases of ranks > 0 of a split cluster).
-        ring = dataclasses.replace(ring, is_signaling_thread=cute.arch.lane_idx() == 0)
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
-        gA = cute.local_tile(mA, (self.bm, self.bk), (tile_m, None))  # (bm, bk, k_tiles)
-        gB = cute.local_tile(mB, (self.bn, self.bk), (tile_n, None))
+        gA = cute.local_tile(mA, (self.bm, self.bk), (None, None))  # (bm, bk, m tiles, k tiles)
+        gB = cute.local_tile(mB, (self.bn, self.bk), (None, None))
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
         )
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
         )
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         warpgroup = cute.arch.make_warp_uniform(tidx // 128)
-        wg_mma = tiled_mma.get_slice(cute.make_layout(self.warpgroups, stride=128)(warpgroup))
-        tCrA = tiled_mma.make_fragment_A(wg_mma.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(wg_mma.partition_B(sB))
-        acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bm, self.bn)), Float32)
-
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
-        producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        if warp == 0:
-            for _ in cutlass.range(cutlass.min(self.stages, k_tiles), unroll=1):
-                self.load_stage(ring, producer, k_begin, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB)
-                producer.advance()
-
-        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        # Zeroed accumulators and a static ACCUMULATE flag: nothing loop-carried in the MMA.
-        acc.fill(0.0)
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        k_blocks = cute.size(tCrA, mode=[2])
-        self.mma_stage(ring, read, tiled_mma, acc, tCrA, tCrB, k_blocks)  # k-tile 0
-        read.advance()
-        for _k_tile in cutlass.range(1, k_tiles, unroll=1):
-            self.mma_stage(ring, read, tiled_mma, acc, tCrA, tCrB, k_blocks)
-            # Keep one wgmma group in flight; the one before it has retired, so its stage
-            # goes back to the producer and warp 0 refills it with the next k-tile.
-            cute.nvgpu.warpgroup.wait_group(1)
-            ring.consumer_release(release)
-            read.advance()
-            release.advance()
-            if warp == 0 and producer.count < k_tiles:
-                self.load_stage(ring, producer, k_begin, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB)
-                producer.advance()
-        cute.nvgpu.warpgroup.wait_group(0)
-        cute.arch.sync_threads()  # every warpgroup is done with the ring: reuse it for C
-
-        c_layout = cute.make_layout((self.bm, self.bn), stride=(self.c_stride, 1))
-        sC = cute.make_tensor(cute.recast_ptr(storage.sA.data_ptr(), dtype=Float32), c_layout)
-        cute.autovec_copy(acc, tiled_mma.get_slice(tidx).partition_C(sC))
-        self.publish_partials()
-        self.epilogue(
-            sC, mBias, mNormW, eps, mPos, mCosSin, mLoc, mCommit, width, k_caches, v_caches,
-            tile_m, tile_n, tidx, rank,
-        )
-        self.retire()
+        if warpgroup == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == 0:
+                producer = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.stages
+                )
+                for tile in cutlass.range(bid, num_tiles, grid, unroll=1):
+                    tile_m, tile_n = self.tile_coords(tile, num_m_tiles)
+                    for k_tile in cutlass.range(k_tiles, unroll=1):
+                        ring.producer_acquire(producer)
+                        barrier = ring.producer_get_barrier(producer)
+                        cute.copy(tma_a, tAgA[(None, tile_m, k_tile)],
+                                  tAsA[(None, producer.index)], tma_bar_ptr=barrier)
+                        cute.copy(tma_b, tBgB[(None, tile_n, k_tile)],
+                                  tBsB[(None, producer.index)], tma_bar_ptr=barrier)
+                        ring.producer_commit(producer)
+                        producer.advance()
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            ctid = tidx - 128  # thread index among the consumers
+            wg_mma = tiled_mma.get_slice(ctid - ctid % 128)
+            tCrA = tiled_mma.make_fragment_A(wg_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(wg_mma.partition_B(sB))
+            acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bm, self.bn)), Float32)
+            # (row, column) in the tile of each accumulator register of this thread
+            tCcC = tiled_mma.get_slice(ctid).partition_C(
+                cute.make_identity_tensor((self.bm, self.bn))
+            )
+            k_blocks = cute.size(tCrA, mode=[2])
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            release = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.stages
+            )
+            for tile in cutlass.range(bid, num_tiles, grid, unroll=1):
+                tile_m, tile_n = self.tile_coords(tile, num_m_tiles)
+                # The epilogue's row metadata (slot, then position: two dependent global
+                # loads) is fetched now and lands while the main loop runs.
+                rows = [self.row_destination(mLoc, mCommit, width,
+                                             tile_m * self.bm + tCcC[2 * r][0])
+                        for r in range(2)]
+                positions = [cutlass.select_(valid, mPos[t], Int64(0)) for t, _, valid in rows]
+                # Zeroed accumulators and a static ACCUMULATE flag: nothing loop-carried in
+                # the MMA.
+                acc.fill(0.0)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                self.mma_stage(ring, read, tiled_mma, acc, tCrA, tCrB, k_blocks)  # k-tile 0
+                read.advance()
+                for _k_tile in cutlass.range(1, k_tiles, unroll=1):
+                    self.mma_stage(ring, read, tiled_mma, acc, tCrA, tCrB, k_blocks)
+                    # Keep one wgmma group in flight; the one before it has retired, so its
+                    # stage goes back to the producer.
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    ring.consumer_release(release)
+                    read.advance()
+                    release.advance()
+                cute.nvgpu.warpgroup.wait_group(0)
+                ring.consumer_release(release)
+                release.advance()
+                self.epilogue(acc, tCcC, mBias, mNormW, eps, mCosSin, k_caches, v_caches,
+                              tile_n, [(slot, valid) for _, slot, valid in rows], positions)
 
     @cute.jit
     def mma_stage(self, ring, state, tiled_mma, acc, tCrA, tCrB, k_blocks: int) -> None:
@@ -805,14 +799,93 @@ class StackedKvProjWgmma(_StackedKvProjBase):
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
-    def load_stage(self, ring, state, k_begin, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB) -> None:
-        """Warp 0: wait for a free stage, then TMA the next A and B k-tiles into it."""
-        ring.producer_acquire(state)
-        barrier = ring.producer_get_barrier(state)
-        k_tile = k_begin + state.count
-        cute.copy(tma_a, tAgA[(None, k_tile)], tAsA[(None, state.index)], tma_bar_ptr=barrier)
-        cute.copy(tma_b, tBgB[(None, k_tile)], tBsB[(None, state.index)], tma_bar_ptr=barrier)
-        ring.producer_commit(state)
+    def epilogue(
+        self,
+        acc: cute.Tensor,
+        tCcC: cute.Tensor,
+        mBias: cute.Tensor | None,
+        mNormW: cute.Tensor,
+        eps: Float32,
+        mCosSin: cute.Tensor,
+        k_caches: tuple,
+        v_caches: tuple,
+        tile_n: Int32,
+        rows: list,
+        positions: list,
+    ) -> None:
+        """This thread's two rows of the tile -> cache rows, from the accumulator registers.
+        Register ``4j + 2r + e`` holds row ``r`` (0: the first, 1: +8), column ``8j + e``
+        beyond the thread's first column; its NeoX partner is ``D / 16`` groups of 8 on.
+        ``rows``: (slot, written?) per row; ``positions``: the RoPE position per row. Both
+        rows are finished before either is stored, so no load waits behind a store."""
+        half = self.head_dim // 2
+        groups = self.bn // 8  # column groups of 8 per row
+        head_groups = self.head_dim // 8
+        partner = 4 * (head_groups // 2)  # register distance from d to d + D/2
+        quad_col = tCcC[0][1]  # this thread's first column: 2 * (lane % 4)
+        layer, is_k, base, row_bytes = self.tile_destination(tile_n, k_caches, v_caches,
+                                                             quad_col)
+        rPair = cute.make_rmem_tensor((2,), self.norm_dtype)
+        rW = cute.make_rmem_tensor((4,), Float32)  # norm weights at d, d + 1, d + D/2, +1
+        rCos = cute.make_rmem_tensor((2,), Float32)
+        rSin = cute.make_rmem_tensor((2,), Float32)
+        rWord = cute.make_rmem_tensor((1,), Uint32)
+        if const_expr(self.has_bias):
+            rB = cute.make_rmem_tensor((2,), BFloat16)
+            for j in cutlass.range_constexpr(groups):  # both rows share the column's bias
+                col = tile_n * self.bn + quad_col + 8 * j
+                cute.autovec_copy(cute.local_tile(mBias, (2,), (col // 2,)), rB)
+                for r in cutlass.range_constexpr(2):
+                    for e in cutlass.range_constexpr(2):
+                        acc[4 * j + 2 * r + e] = _add_rn(acc[4 * j + 2 * r + e],
+                                                         rB[e].to(Float32))
+
+        if is_k:
+            # R1 for K heads; a V value's R1 is the bf16 rounding of its store.
+            for i in cutlass.range_constexpr(self.bn // 2):
+                acc[i] = du.round_to_bf16(acc[i])
+
+            # Every lane of the warp is here (is_k is CTA-uniform): safe to shuffle.
+            inv_d = Float32(1.0 / self.head_dim)  # exact: D is a power of two
+            gCS = [mCosSin[positions[r], None] for r in range(2)]
+            for head in cutlass.range_constexpr(self.heads_per_tile):
+                first = 4 * head * head_groups  # register of row 0's first head column
+                rstd = []
+                for r in cutlass.range_constexpr(2):
+                    ss = Float32(0.0)
+                    for g in cutlass.range_constexpr(head_groups):
+                        for e in cutlass.range_constexpr(2):
+                            y = acc[first + 4 * g + 2 * r + e]
+                            ss = ss + y * y
+                    ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=1)  # the quad holds
+                    ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=2)  # the whole row
+                    rstd.append(_rsqrt_approx(ss * inv_d + eps))
+                for g in cutlass.range_constexpr(head_groups // 2):
+                    d = quad_col + 8 * g  # head column of the first half
+                    for h in cutlass.range_constexpr(2):
+                        cute.autovec_copy(cute.local_tile(
+                            mNormW[layer, None], (2,), ((d + h * half) // 2,)), rPair)
+                        for e in cutlass.range_constexpr(2):
+                            rW[2 * h + e] = rPair[e].to(Float32)
+                    for r in cutlass.range_constexpr(2):
+                        cute.autovec_copy(cute.local_tile(gCS[r], (2,), (d // 2,)), rCos)
+                        cute.autovec_copy(cute.local_tile(gCS[r], (2,), ((half + d) // 2,)),
+                                          rSin)
+                        for e in cutlass.range_constexpr(2):
+                            i1 = first + 4 * g + 2 * r + e
+                            i2 = i1 + partner
+                            acc[i1], acc[i2] = _neox_rotate(
+                                _r2(acc[i1], rstd[r], rW[e]), _r2(acc[i2], rstd[r], rW[2 + e]),
+                                rCos[e], rSin[e],
+                            )
+
+        for r in cutlass.range_constexpr(2):
+            slot, valid = rows[r]
+            if valid:
+                row_addr = base + Int64(slot) * row_bytes
+                for j in cutlass.range_constexpr(groups):
+                    rWord[0] = du.pack_bf16x2(acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1])  # R3
+                    du.store_words(row_addr + 16 * j, rWord, align=4)
 
 
 # -- compile ------------------------------------------------------------------------------------
@@ -844,11 +917,15 @@ def _build(key: StackedKvProjKey):
     v_caches = tuple(cache() for _ in range(key.num_layers))
     if key.impl == "wgmma" and key.arch != "sm_90a":
         raise LayoutError(f"impl: expected wgmma only for sm_90a, got arch {key.arch}")
+    if key.tile not in tiles_for(key.impl):
+        raise LayoutError(f"tile: expected one of {tiles_for(key.impl)} for the {key.impl} "
+                          f"core, got {key.tile}")
     kernel = IMPLS[key.impl](key.num_layers, key.n_kv, d, key.has_bias, key.has_commit,
                              _NORM_DTYPES[key.norm_dtype][1], TILES[key.tile])
+    grid = (Int32(1),) if key.impl == "wgmma" else ()  # the persistent grid's CTA cap
     return du.compile_tvm_ffi(
         kernel, x, w, bias, norm_w, Float32(1e-6), pos, cos_sin, loc, commit, Int32(1),
-        k_caches, v_caches, du.env_stream(), arch=key.arch,
+        k_caches, v_caches, *grid, du.env_stream(), arch=key.arch,
     )
 
 
@@ -867,22 +944,27 @@ def choose_impl(arch: str) -> str:
     return wanted
 
 
-def choose_tile(tokens: int, hidden: int, bn: int = 128) -> str:
-    """The tile config for ``tokens`` rows of a layout whose CTA tile is ``bn`` columns wide
-    (``CUTE_KERNELS_STACKED_TILE`` overrides). The split-K cluster (by override only) needs
-    ``bn >= 128``: on a 64-column tile the epilogue covers 64 rows in two passes, fewer than
-    the 3 ranks that each store a share of the rows."""
+def choose_tile(tokens: int, impl: str, num_layers: int, n_kv: int, head_dim: int,
+                sms: int = 132) -> str:
+    """The tile config for ``tokens`` rows of a layout on core ``impl`` with ``sms`` SMs
+    (``CUTE_KERNELS_STACKED_TILE`` overrides): the least ``waves x cost``, a wave being one
+    tile per SM and ``cost`` a tile's measured time relative to m128. The wave count is what
+    makes m128 beat m128w at T = 512..1024 on the drafter layout (3 and 5 waves against 2 and
+    3 of 1.75) and m64 lose to m128 at T = 128 (two waves of 64-row tiles, one of 128)."""
     wanted = os.environ.get(TILE_ENV, "auto")
-    k_tiles = hidden // TILE_SPLIT.bk
     if wanted != "auto":
-        if wanted not in TILES:
-            fail(TILE_ENV, f"one of auto, {', '.join(TILES)}", repr(wanted))
-        if k_tiles < TILES[wanted].ksplit:
-            fail("ctx_hidden", f"H >= {64 * TILES[wanted].ksplit} for tile {wanted}", hidden)
-        if TILES[wanted].ksplit > 1 and bn < 128:
-            fail(TILE_ENV, f"a tile without split-K for a {bn}-column tile", repr(wanted))
+        if wanted not in tiles_for(impl):
+            fail(TILE_ENV, f"one of auto, {', '.join(tiles_for(impl))} for the {impl} core",
+                 repr(wanted))
         return wanted
-    return TILE_SMALL.name if tokens <= SMALL_T_MAX else TILE_LARGE.name
+    kv = n_kv * head_dim
+
+    def estimate(name: str) -> float:
+        tile = TILES[name]
+        tiles = -(-tokens // tile.bm) * (num_layers * 2 * kv // tile_n(head_dim, kv, tile.wide))
+        return -(-tiles // sms) * tile.cost
+
+    return min(tiles_for(impl), key=estimate)
 
 
 def _variants(arch: str) -> list[StackedKvProjKey]:
@@ -893,7 +975,7 @@ def _variants(arch: str) -> list[StackedKvProjKey]:
         StackedKvProjKey(5, 8, 128, False, commit, "float32", tile, impl, arch)
         for impl in impls_for(arch)
         for commit in (False, True)
-        for tile in TILES
+        for tile in tiles_for(impl)
     ]
 
 
@@ -992,7 +1074,7 @@ def _validate(
     if require_cuda and device.type != "cuda":
         fail("ctx_hidden", "a CUDA tensor", f"device {device}")
     tokens, hidden = ctx_hidden.shape
-    bk = TILE_SMALL.bk
+    bk = 64  # one k-tile of both cores
     if hidden == 0 or hidden % bk:
         fail("ctx_hidden", f"a hidden size (shape[1]) that is a positive multiple of {bk}",
              f"shape {tuple(ctx_hidden.shape)}")
@@ -1080,9 +1162,10 @@ def _validate(
     if arch is None:
         return None
     norm = "float32" if k_norm_weight.dtype == torch.float32 else "bfloat16"
-    tile = choose_tile(tokens, hidden, tile_n(head_dim, n_kv * head_dim))
+    impl = choose_impl(arch)
+    tile = choose_tile(tokens, impl, num_layers, n_kv, head_dim, _sm_count(device))
     return StackedKvProjKey(num_layers, n_kv, head_dim, bias is not None,
-                            cache_loc_2d is not None, norm, tile, choose_impl(arch), arch)
+                            cache_loc_2d is not None, norm, tile, impl, arch)
 
 
 def check_stacked_kv_proj(
@@ -1108,6 +1191,28 @@ def check_stacked_kv_proj(
               k_caches, v_caches, cache_loc_2d, commit_lens, require_cuda=False)
 
 
+_sm_counts: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device (cached: a serving step must not query); 132 (the H200) for
+    tensors without one."""
+    if device.type != "cuda":
+        return 132
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sm_counts:
+        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _sm_counts[index]
+
+
+def _persistent_ctas(device: torch.device, key: StackedKvProjKey) -> int:
+    """CTA cap of the wgmma core's persistent grid: one CTA per SM (its ring fills the SMEM),
+    as many as the driver reports resident."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    warpgroups = 1 + TILES[key.tile].bm // 64
+    return max_active_clusters(index, 1, 1, 128 * warpgroups)
+
+
 @mutating_op("stacked_kv_proj", mutates_args=("k_caches", "v_caches"))
 def _stacked_kv_proj_op(
     ctx_hidden: torch.Tensor,
@@ -1130,8 +1235,10 @@ def _stacked_kv_proj_op(
         return
     loc = cache_loc if cache_loc_2d is None else cache_loc_2d.reshape(-1)
     width = 1 if cache_loc_2d is None else cache_loc_2d.shape[1]
+    grid = () if key.impl == "mma" else (_persistent_ctas(ctx_hidden.device, key),)
     KERNELS.get(key)(ctx_hidden, weight, bias, k_norm_weight, float(eps), positions,
-                     cos_sin_cache, loc, commit_lens, width, tuple(k_caches), tuple(v_caches))
+                     cos_sin_cache, loc, commit_lens, width, tuple(k_caches), tuple(v_caches),
+                     *grid)
 
 
 def stacked_kv_proj(

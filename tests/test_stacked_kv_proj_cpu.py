@@ -425,22 +425,39 @@ class TestRejections:
     def test_unknown_tile_override(self, device, monkeypatch):
         monkeypatch.setenv("CUTE_KERNELS_ARCH", "sm_90a")
         monkeypatch.setenv("CUTE_KERNELS_STACKED_TILE", "m256")
-        _rejects(_args(device), "CUTE_KERNELS_STACKED_TILE", "m64k3")
+        _rejects(_args(device), "CUTE_KERNELS_STACKED_TILE", "m128w")
+
+    def test_wide_tile_needs_wgmma(self, device, monkeypatch):
+        monkeypatch.setenv("CUTE_KERNELS_ARCH", "sm_100a")
+        monkeypatch.setenv("CUTE_KERNELS_STACKED_TILE", "m128w")
+        _rejects(_args(device), "CUTE_KERNELS_STACKED_TILE", "mma core")
 
     def test_unsupported_arch(self, device, monkeypatch):
         monkeypatch.setenv("CUTE_KERNELS_ARCH", "sm_80")
         _rejects(_args(device), "arch", "sm_90a")
 
 
-@pytest.mark.parametrize(("tokens", "hidden", "tile"), [
-    (1, 4096, "m64"), (64, 4096, "m64"), (64, 256, "m64"), (128, 4096, "m64"),
-    (129, 4096, "m128"), (256, 2560, "m128"),
+@pytest.mark.parametrize(("tokens", "impl", "sms", "tile"), [
+    (1, "wgmma", 132, "m64"), (64, "wgmma", 132, "m64"), (65, "wgmma", 132, "m128"),
+    (256, "wgmma", 132, "m128w"), (512, "wgmma", 132, "m128"), (1024, "wgmma", 132, "m128"),
+    (2048, "wgmma", 132, "m128w"), (8192, "wgmma", 132, "m128w"),
+    (1024, "wgmma", 114, "m128w"),  # H100 PCIe: 640 m128 tiles are 6 waves, 320 m128w 3
+    (64, "mma", 132, "m64"), (8192, "mma", 132, "m128"),  # the mma core has no wide tile
 ])
-def test_tile_choice(tokens, hidden, tile, monkeypatch):
+def test_tile_choice(tokens, impl, sms, tile, monkeypatch):
+    """The drafter layout (L 5, n_kv 8, D 128: 80 column tiles of 128)."""
     from cute_kernels.stacked_projection import choose_tile
 
     monkeypatch.delenv("CUTE_KERNELS_STACKED_TILE", raising=False)
-    assert choose_tile(tokens, hidden) == tile
+    assert choose_tile(tokens, impl, 5, 8, 128, sms) == tile
+
+
+def test_tile_choice_counts_the_layouts_tiles(monkeypatch):
+    """L 2, n_kv 2: 8 column tiles, so 1024 tokens of 64-row tiles still fit in one wave."""
+    from cute_kernels.stacked_projection import choose_tile
+
+    monkeypatch.delenv("CUTE_KERNELS_STACKED_TILE", raising=False)
+    assert choose_tile(1024, "wgmma", 2, 2, 128) == "m64"
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])

@@ -6,8 +6,8 @@ the poison bytes.
 
 Grid pruning (about two minutes on an H200): the full product H x L x n_kv x D x T x bias x
 commit x padding is ~1000 cases of which most exercise the same code. Token counts cross every
-tile edge (1, 7 inside one 64-row tile; 64 exactly one; 257 one row into the fifth small tile;
-4096 the large tile), so each runs against four (L, n_kv, H) shapes that cover both drafter
+tile edge (1, 7 inside one 64-row tile; 64 exactly one; 257 one row into the third 128-row
+tile; 4096 the wide tile), so each runs against four (L, n_kv, H) shapes that cover both drafter
 sizes and both kv widths (n_kv = 1: one head per tile and 20 K/V tiles per layer boundary;
 n_kv = 8). The optional features (bias, commit rows, padded rows, bf16 norm weight) each change
 the code independently of T's tile edges, so they run in four pairwise combinations at two
@@ -24,7 +24,13 @@ from stacked_kv_proj_cases import compare, make_case
 
 import cute_kernels
 from cute_kernels import reference
-from cute_kernels.stacked_projection import IMPL_ENV, TILE_ENV, TILES, stacked_kv_proj
+from cute_kernels.stacked_projection import (
+    IMPL_ENV,
+    TILE_ENV,
+    TILES,
+    stacked_kv_proj,
+    tiles_for,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -125,16 +131,19 @@ def test_head_dim_256(impl):
 
 @pytest.mark.parametrize("tile", list(TILES))
 @pytest.mark.parametrize("tokens", [7, 100])
-def test_every_tile_config(tile, tokens, impl, monkeypatch):
-    """Each tile config forced at sizes where auto would pick another (m64k3 splits H over a
-    3-CTA cluster and sums partials through DSMEM; m64 and m128 do not)."""
+@pytest.mark.parametrize(("n_kv", "head_dim"), [(8, 128), (4, 64)])
+def test_every_tile_config(tile, tokens, n_kv, head_dim, impl, monkeypatch):
+    """Each tile config of each core forced at sizes where auto would pick another; D = 64
+    with 4 heads puts four heads in a wide (256-column) tile."""
+    if tile not in tiles_for(impl):
+        pytest.skip(f"the {impl} core has no {tile} tile")
     monkeypatch.setenv(TILE_ENV, tile)
-    case = make_case(tokens, 2560, 2, 8, 128, "cuda", bias=True, commit=True, seed=15)
+    case = make_case(tokens, 2560, 2, n_kv, head_dim, "cuda", bias=True, commit=True, seed=15)
     _check(case)
 
 
-def test_uneven_split(impl):
-    """H = 448: 7 k-tiles over 3 ranks (2, 2, 3)."""
+def test_odd_k_tile_count(impl):
+    """H = 448: 7 k-tiles, not a multiple of any ring depth."""
     case = make_case(33, 448, 2, 2, 128, "cuda", seed=16)
     _check(case)
 
@@ -179,7 +188,7 @@ def test_torch_compile_fullgraph():
 
 
 def test_one_compile_serves_every_token_count():
-    for tokens in (5, 100, 300):  # warm the three tiles (split, small, large)
+    for tokens in (5, 300, 2000):  # warm the three tiles (m64, m128, m128w)
         stacked_kv_proj(*make_case(tokens, 2560, 5, 8, 128, "cuda").args())
     before = cute_kernels.cache_stats()["compiles"]
     for tokens in (1, 17, 64, 65, 256, 257, 2000):
