@@ -15,10 +15,12 @@ PERF_ARGS ?=
 
 .PHONY: test perf compile lint clean
 
-.venv/.installed: requirements-test.txt
+# The package itself goes in editable, so `python -m cute_kernels ...` works from any directory.
+.venv/.installed: requirements-test.txt pyproject.toml
 	python3 -m venv .venv
 	.venv/bin/python -m pip install --quiet --upgrade pip
 	.venv/bin/python -m pip install --quiet -r requirements-test.txt
+	.venv/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
 test: $(ENV_DEP)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from . import reference
 from .arch import SUPPORTED_ARCHS, arch_for
-from .c128_compressor import check_compress_c128, compress_c128
 from .compile_cache import (
     StrictModeError,
     cache_stats,
@@ -26,8 +25,9 @@ from .compile_cache import (
     reset_cache_stats,
     set_strict,
 )
-from .kv_insert import check_kv_rope_insert, kv_rope_insert
-from .stacked_projection import check_stacked_kv_proj, stacked_kv_proj
+from .compress_c128 import check_compress_c128, compress_c128
+from .kv_rope_insert import check_kv_rope_insert, kv_rope_insert
+from .stacked_kv_proj import check_stacked_kv_proj, stacked_kv_proj
 from .validation import LayoutError
 
 __version__ = "0.1.0"

@@ -20,6 +20,21 @@ SUPPORTED_ARCHS: tuple[str, ...] = ("sm_90a", "sm_100a")
 ARCH_ENV = "CUTE_KERNELS_ARCH"
 
 _capability_cache: dict[int, tuple[int, int]] = {}
+_sm_counts: dict[int, int] = {}
+
+
+def device_index(device: torch.device) -> int:
+    """The CUDA device index of ``device`` (the current device for a bare ``cuda``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of CUDA ``device``, queried once per device (a serving step
+    must not pay the ~10 us query)."""
+    index = device_index(device)
+    if index not in _sm_counts:
+        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _sm_counts[index]
 
 
 def _arch_of_capability(major: int, minor: int) -> str:
@@ -41,7 +56,7 @@ def arch_for(device: torch.device, override: str | None = None) -> str | None:
     if arch is None:
         if device.type != "cuda":
             return None
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = device_index(device)
         if index not in _capability_cache:  # the query costs ~10 us; a serving step must not
             _capability_cache[index] = torch.cuda.get_device_capability(index)
         arch = _arch_of_capability(*_capability_cache[index])
@@ -69,7 +84,7 @@ def max_active_clusters(index: int, cluster: int, ctas_per_sm: int, threads: int
     key = (index, cluster, ctas_per_sm, threads)
     if key in _cluster_cache:
         return _cluster_cache[key]
-    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    sms = sm_count(torch.device("cuda", index))
     fallback = max(1, ctas_per_sm * sms // cluster)
     if torch.cuda.is_current_stream_capturing():
         return fallback

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
 from .arch import ARCH_ENV
 
 # The DSL latches its default target at import and silently falls back to sm_100a without a
@@ -20,8 +22,12 @@ if ARCH_ENV in os.environ:
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
-from cutlass import Float32, Int32, Int64, Uint32  # noqa: E402
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32  # noqa: E402
 from cutlass._mlir.dialects import llvm  # noqa: E402
+
+#: The DSL type of each torch dtype a kernel argument can have.
+DSL_DTYPES = {torch.bfloat16: BFloat16, torch.float32: Float32, torch.int32: Int32,
+              torch.int64: Int64, torch.uint8: Uint8}
 
 # -- compiling ---------------------------------------------------------------------------------
 
@@ -47,6 +53,16 @@ def fake_row_major(dtype: Any, shape: tuple, align: int) -> Any:
     )
 
 
+def cp_async_atom(dtype: Any) -> cute.CopyAtom:
+    """16-byte ``cp.async.cg`` global -> shared copies: the operand streams bypass L1 (each
+    byte is read once per CTA)."""
+    return cute.make_copy_atom(
+        cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+        dtype,
+        num_bits_per_copy=128,
+    )
+
+
 def env_stream() -> Any:
     """The TVM-FFI environment stream: each call launches on torch's current stream, so calls
     are captured by CUDA graphs and follow ``torch.cuda.stream(...)``."""
@@ -58,6 +74,20 @@ def compile_tvm_ffi(launcher: Any, *fake_args: Any, arch: str) -> Any:
 
 
 # -- arithmetic with pinned rounding ------------------------------------------------------------
+
+
+def add_rn(a: Float32, b: Float32) -> Float32:
+    """fp32 sum rounded on its own (never fused with a preceding product)."""
+    return cute.arch.inline_ptx(
+        "add.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32], read_only_args=[a, b]
+    )
+
+
+def sub_rn(a: Float32, b: Float32) -> Float32:
+    """fp32 difference rounded on its own."""
+    return cute.arch.inline_ptx(
+        "sub.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32], read_only_args=[a, b]
+    )
 
 
 def mul_rn(a: Float32, b: Float32) -> Float32:
@@ -109,9 +139,15 @@ def exp2_approx(x: Float32) -> Float32:
     return _pure_f32_asm("ex2.approx.ftz.f32 $0, $1;", x)
 
 
-def rsqrt_approx(x: Float32) -> Float32:
-    """``rsqrt.approx.ftz.f32``: the RMSNorm reciprocal root (as vLLM's kernels use)."""
+def rsqrt_approx_ftz(x: Float32) -> Float32:
+    """``rsqrt.approx.ftz.f32``: the compressor's RMSNorm reciprocal root (as vLLM's)."""
     return _pure_f32_asm("rsqrt.approx.ftz.f32 $0, $1;", x)
+
+
+def rsqrt_approx(x: Float32) -> Float32:
+    """``rsqrt.approx.f32`` (no FTZ): what CUDA's ``rsqrtf`` (``torch.rsqrt`` on a GPU) and
+    flashinfer's RMSNorm use."""
+    return _pure_f32_asm("rsqrt.approx.f32 $0, $1;", x)
 
 
 def round_to_bf16(x: Float32) -> Float32:

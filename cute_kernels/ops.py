@@ -1,33 +1,96 @@
-"""torch.library registration: each public kernel is also an opaque custom op.
+"""One definition per public op: the eager function, the ``torch.library`` custom op with its
+fake, and the ``check_*`` layout check.
 
-The op mutates its cache argument and has a fake implementation that does nothing, so it works
-under ``torch.compile(fullgraph=True)`` (Dynamo never traces into the DSL) and inside CUDA-graph
-capture. Eager calls go straight to the implementation: the dispatcher adds tens of
-microseconds per call, more than the kernels themselves take.
+A kernel family writes its op once, as a *validation* function with the public signature and
+docstring (metadata only: it raises :class:`~cute_kernels.LayoutError` or returns the compile
+key, ``None`` for tensors that carry no arch) and a *launch* function ``launch(key, args)``
+that gets the key and every argument, in signature order. :func:`cute_op` turns the pair into
+
+- the public function: in eager mode it validates and launches directly (the dispatcher would
+  add tens of microseconds per call, more than the kernels take); under ``torch.compile`` it
+  calls the custom op, so Dynamo never traces into the DSL;
+- ``torch.ops.cute_kernels.<name>``: an opaque op that mutates the named cache arguments, with
+  a fake implementation that does nothing (``torch.compile(fullgraph=True)`` and CUDA-graph
+  capture work);
+- ``<public>.check``: the validation alone, which rejects exactly what the op rejects except
+  that it does not need CUDA tensors (``meta`` tensors work).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any
 
 import torch
 
+from .validation import fail
+
 NAMESPACE = "cute_kernels"
 
-F = TypeVar("F", bound=Callable[..., None])
 
+def cute_op(
+    name: str, mutates_args: Sequence[str], launch: Callable[..., None]
+) -> Callable[[Callable[..., Any]], Callable[..., None]]:
+    """Decorate the validation function of op ``name`` (see the module doc)."""
 
-def mutating_op(name: str, mutates_args: Sequence[str]) -> Callable[[F], F]:
-    """Register ``fn`` as ``torch.ops.cute_kernels.<name>``; return ``fn`` itself."""
+    def register(validate: Callable[..., Any]) -> Callable[..., None]:
+        signature = inspect.signature(validate).replace(return_annotation=None)
+        params = list(signature.parameters.values())
+        first = params[0].name  # the tensor whose device the kernel runs on
+        defaults = tuple(p.default for p in params)
+        required = sum(p.default is inspect.Parameter.empty for p in params)
 
-    def register(fn: F) -> F:
-        op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=tuple(mutates_args))(fn)
+        def positional(args: tuple, kwargs: dict) -> tuple:
+            """All arguments in signature order (the fast path has no keywords)."""
+            if not kwargs and required <= len(args) <= len(params):
+                return args + defaults[len(args):]
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return tuple(bound.arguments.values())
+
+        def run(*args: Any) -> None:
+            key = validate(*args)
+            if args[0].device.type != "cuda":
+                fail(first, "a CUDA tensor", f"device {args[0].device}")
+            launch(key, args)
+
+        def impl(*args: Any, **kwargs: Any) -> None:
+            run(*positional(args, kwargs))
+
+        impl.__signature__ = signature  # type: ignore[attr-defined]
+        impl.__name__ = name
+        op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=tuple(mutates_args))(
+            impl
+        )
 
         @op.register_fake
         def _fake(*args: object, **kwargs: object) -> None:
             return None
 
-        return fn
+        @functools.wraps(validate)
+        def public(*args: Any, **kwargs: Any) -> None:
+            if torch.compiler.is_compiling():  # keep the kernel opaque to Dynamo
+                getattr(torch.ops.cute_kernels, name)(*args, **kwargs)
+            else:
+                run(*positional(args, kwargs))
+
+        def check(*args: Any, **kwargs: Any) -> None:
+            validate(*positional(args, kwargs))
+
+        check.__signature__ = signature  # type: ignore[attr-defined]
+        check.__name__ = f"check_{name}"
+        check.__doc__ = (
+            f"Raise :class:`LayoutError` if :func:`{name}` would reject these arguments.\n\n"
+            "Reads metadata only: ``meta`` tensors work, so a model loader can check a layout "
+            "without a GPU. On meta/CPU tensors the arch is checked only when "
+            "``CUTE_KERNELS_ARCH`` names one."
+        )
+        public.__signature__ = signature  # type: ignore[attr-defined]
+        public.check = check  # type: ignore[attr-defined]
+        public.validate = validate  # type: ignore[attr-defined]
+        public.op = op  # type: ignore[attr-defined]
+        return public
 
     return register

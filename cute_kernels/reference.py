@@ -2,15 +2,25 @@
 
 Each function has its kernel's signature, runs on CPU and GPU tensors, mutates the cache the
 same way, and states every rounding point explicitly (see specs/). Vectorised: no per-token
-Python loop.
+Python loop. The references compute from the layout facts alone (:mod:`cute_kernels.layouts`,
+no DSL); they assume arguments the layout check accepts (``cute_kernels.check_<name>``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import kv_insert as _kv
-from .kv_insert import NOPE_DIM, ROPE_DIM, CacheFormat
+from .layouts import (
+    C128_RATIO,
+    C128_STATE_BLOCK,
+    FP8_MAX,
+    HEAD_DIM,
+    NOPE_DIM,
+    ROPE_DIM,
+    UE8M0_MIN_AMAX,
+    CacheFormat,
+    cache_format,
+)
 
 # -- exact fp32 arithmetic helpers ----------------------------------------------------------------
 
@@ -43,7 +53,7 @@ def rotate_gptj(
 
 def ue8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
     """``ceil(log2(max(amax, 1e-4) / 448))`` of fp32 ``amax``, exactly (int32)."""
-    q = amax.float().clamp_min(1e-4) / 448.0
+    q = amax.float().clamp_min(UE8M0_MIN_AMAX) / FP8_MAX
     bits = q.view(torch.int32)
     exponent = ((bits >> 23) & 0xFF) - 127
     return (exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)).to(torch.int32)
@@ -59,7 +69,7 @@ def ue8m0_quantize(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
     grouped = values.reshape(m, d // group, group)
     exponent = ue8m0_exponent(grouped.abs().amax(dim=-1))
     inv_scale = torch.ldexp(torch.ones_like(grouped[..., 0]), -exponent.float())
-    scaled = (grouped * inv_scale.unsqueeze(-1)).clamp(-448.0, 448.0)
+    scaled = (grouped * inv_scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
     codes = scaled.to(torch.float8_e4m3fn).view(torch.uint8).reshape(m, d)
     return codes, (exponent + 127).clamp(0, 255).to(torch.uint8)
 
@@ -90,10 +100,8 @@ def kv_rope_insert(
     fp8_scale: torch.Tensor | None = None,
     kv_mxfp8: bool = False,
 ) -> None:
-    """Reference of :func:`cute_kernels.kv_rope_insert` (specs/kv_insert.md)."""
-    _kv._validate(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, fp8_scale,
-                  kv_mxfp8, require_cuda=False)
-    fmt = _kv.cache_format(k_cache, kv_mxfp8)
+    """Reference of :func:`cute_kernels.kv_rope_insert` (specs/kv_rope_insert.md)."""
+    fmt = cache_format(k_cache.dtype, bool(kv_mxfp8))
     n = slot_mapping.shape[0]
     tokens = torch.nonzero(slot_mapping >= 0).flatten()
     if tokens.numel() == 0:
@@ -111,17 +119,19 @@ def kv_rope_insert(
     elem = k_cache.element_size()
     page = base + (slots // block_size) * k_cache.stride(0) * elem
     row = slots % block_size
+    data_row = page + row * fmt.data_bytes
+    scale_row = page + block_size * fmt.data_bytes + row * fmt.scale_bytes
     if fmt is CacheFormat.V4_PACKED:
-        codes, scales = ue8m0_quantize(x[:, :NOPE_DIM], 64)
+        codes, scales = ue8m0_quantize(x[:, :NOPE_DIM], fmt.group)
         rope_bytes = rope.to(torch.bfloat16).view(torch.uint8)
         pad = torch.zeros_like(scales[:, :1])
-        _scatter_rows(flat, page + row * 576, torch.cat([codes, rope_bytes], dim=1))
-        _scatter_rows(flat, page + block_size * 576 + row * 8, torch.cat([scales, pad], dim=1))
+        _scatter_rows(flat, data_row, torch.cat([codes, rope_bytes], dim=1))
+        _scatter_rows(flat, scale_row, torch.cat([scales, pad], dim=1))
     elif fmt is CacheFormat.V41_MXFP8:
         values = torch.cat([x[:, :NOPE_DIM], rope], dim=1).to(torch.bfloat16).float()
-        codes, scales = ue8m0_quantize(values, 32)
-        _scatter_rows(flat, page + row * 512, codes)
-        _scatter_rows(flat, page + block_size * 512 + row * 16, scales)
+        codes, scales = ue8m0_quantize(values, fmt.group)
+        _scatter_rows(flat, data_row, codes)
+        _scatter_rows(flat, scale_row, scales)
     else:
         row_start = page + row * k_cache.stride(1) * elem
         if fmt is CacheFormat.BF16:
@@ -130,7 +140,7 @@ def kv_rope_insert(
         else:
             inv_scale = 1.0 / fp8_scale.reshape(1).float()  # IEEE fp32 division
             values = torch.cat([x[:, :NOPE_DIM], rope], dim=1)
-            codes = (values * inv_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            codes = (values * inv_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
             _scatter_rows(flat, row_start, codes.view(torch.uint8))
 
 
@@ -147,16 +157,14 @@ def c128_normed_windows(
     tokens: torch.Tensor,
 ) -> torch.Tensor:
     """Float64 ``RMSNorm(softmax-pool(window))`` of the given boundary tokens, ``[M, 512]``."""
-    from .c128_compressor import HEAD_DIM, RATIO, STATE_BLOCK
-
-    start = positions[tokens] - (RATIO - 1)
-    pages_per_window = RATIO // STATE_BLOCK
-    page_index = (start // STATE_BLOCK).unsqueeze(1) + torch.arange(
+    start = positions[tokens] - (C128_RATIO - 1)
+    pages_per_window = C128_RATIO // C128_STATE_BLOCK
+    page_index = (start // C128_STATE_BLOCK).unsqueeze(1) + torch.arange(
         pages_per_window, device=start.device
     )
     requests = token_to_req[tokens].long().unsqueeze(1)
     pages = block_table[requests, page_index].long()  # [M, 16]
-    rows = state_cache[pages].double().reshape(len(tokens), RATIO, 2 * HEAD_DIM)
+    rows = state_cache[pages].double().reshape(len(tokens), C128_RATIO, 2 * HEAD_DIM)
     weights = torch.softmax(rows[..., HEAD_DIM:], dim=1)  # per column, over the 128 rows
     pooled = (weights * rows[..., :HEAD_DIM]).sum(dim=1)
     rstd = torch.rsqrt(pooled.square().mean(dim=1, keepdim=True) + eps)
@@ -180,20 +188,16 @@ def compress_c128(
 ) -> None:
     """Reference of :func:`cute_kernels.compress_c128` (specs/compress_c128.md), float64 inside;
     every stored value is rounded once from float64. ``chunk`` bounds the float64 working set."""
-    from . import c128_compressor as c128
-
-    c128._validate(state_cache, block_table, token_to_req, positions, slot_mapping, norm_weight,
-                   eps, cos_sin_cache, k_cache, kv_slot_mapping, kv_block_size, fp8_scale,
-                   require_cuda=False)
-    fmt = c128.compress_format(k_cache)
-    boundary = (slot_mapping >= 0) & (kv_slot_mapping >= 0) & ((positions + 1) % c128.RATIO == 0)
+    fmt = cache_format(k_cache.dtype)
+    boundary = ((slot_mapping >= 0) & (kv_slot_mapping >= 0)
+                & ((positions + 1) % C128_RATIO == 0))
     flat, base = _storage_bytes(k_cache)
     elem = k_cache.element_size()
     boundary_tokens = torch.nonzero(boundary).flatten()
     for tokens in boundary_tokens.split(chunk) if boundary_tokens.numel() else ():
         y = c128_normed_windows(state_cache, block_table, token_to_req, positions, norm_weight,
                                 eps, tokens)
-        cos_sin = cos_sin_cache[positions[tokens] - (c128.RATIO - 1)].double()
+        cos_sin = cos_sin_cache[positions[tokens] - (C128_RATIO - 1)].double()
         half = ROPE_DIM // 2
         e, o = y[:, NOPE_DIM::2], y[:, NOPE_DIM + 1 :: 2]
         c, s = cos_sin[:, :half], cos_sin[:, half:]
@@ -201,26 +205,26 @@ def compress_c128(
         slots = kv_slot_mapping[tokens]
         page = base + (slots // kv_block_size) * k_cache.stride(0) * elem
         row = slots % kv_block_size
-        if fmt is c128.CompressFormat.PACKED:
+        if fmt is CacheFormat.V4_PACKED:
             nope = y[:, :NOPE_DIM].to(torch.bfloat16).double()
-            grouped = nope.reshape(len(tokens), NOPE_DIM // 64, 64)
-            amax = grouped.abs().amax(dim=-1).clamp_min(1e-4)
-            exponent = torch.ceil(torch.log2(amax / 448.0))
-            scaled = (grouped * torch.pow(2.0, -exponent).unsqueeze(-1)).clamp(-448, 448)
+            grouped = nope.reshape(len(tokens), NOPE_DIM // fmt.group, fmt.group)
+            amax = grouped.abs().amax(dim=-1).clamp_min(UE8M0_MIN_AMAX)
+            exponent = torch.ceil(torch.log2(amax / FP8_MAX))
+            scaled = (grouped * torch.pow(2.0, -exponent).unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
             codes = scaled.to(torch.float8_e4m3fn).view(torch.uint8).reshape(len(tokens), -1)
             scales = (exponent + 127).clamp(0, 255).to(torch.uint8)
             record = torch.cat([codes, rope.to(torch.bfloat16).view(torch.uint8)], dim=1)
-            _scatter_rows(flat, page + row * 576, record)
+            _scatter_rows(flat, page + row * fmt.data_bytes, record)
             pad = torch.zeros_like(scales[:, :1])
-            _scatter_rows(flat, page + kv_block_size * 576 + row * 8,
+            _scatter_rows(flat, page + kv_block_size * fmt.data_bytes + row * fmt.scale_bytes,
                           torch.cat([scales, pad], dim=1))
         else:
             values = torch.cat([y[:, :NOPE_DIM], rope], dim=1)
-            if fmt is c128.CompressFormat.BF16:
+            if fmt is CacheFormat.BF16:
                 out = values.to(torch.bfloat16).view(torch.uint8)
             else:
                 scaled = values.to(torch.bfloat16).double() / fp8_scale.double().reshape(1)
-                out = scaled.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+                out = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
             _scatter_rows(flat, page + row * k_cache.stride(1) * elem, out)
 
 
@@ -292,10 +296,6 @@ def stacked_kv_proj(
     then bf16, R3 NeoX RoPE in fp32 (products rounded, no FMA) then bf16; V heads are ``y``.
     Rows with a negative slot, or a column ``t mod W >= commit_lens[t div W]``, write nothing;
     ``cache_loc_2d`` replaces ``cache_loc`` when given. Syncs with the host (``nonzero``)."""
-    from . import stacked_projection as _skp
-
-    _skp._validate(ctx_hidden, weight, bias, k_norm_weight, eps, positions, cos_sin_cache,
-                   cache_loc, k_caches, v_caches, cache_loc_2d, commit_lens, require_cuda=False)
     num_layers = len(k_caches)
     n_kv, head_dim = k_caches[0].shape[1], k_caches[0].shape[2]
     kv = n_kv * head_dim

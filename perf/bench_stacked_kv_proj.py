@@ -4,20 +4,15 @@ cuBLAS GEMM (the floor of any unfused design)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from cute_kernels import reference, stacked_kv_proj
+from cute_kernels.testing import compare_stacked, stacked_kv_proj_case
 
-from stacked_kv_proj_cases import compare, make_case  # noqa: E402
-
-from cute_kernels import reference  # noqa: E402
-from cute_kernels.stacked_projection import stacked_kv_proj  # noqa: E402
-
-from .timing import Timer  # noqa: E402
+from .timing import Timer
 
 TOKENS = (1, 16, 64, 256, 1024, 8192)
 HIDDEN, LAYERS, N_KV, HEAD_DIM = 4096, 5, 8, 128
@@ -70,7 +65,7 @@ def run(timer: Timer, ceiling: float, tokens=TOKENS, baselines: bool = True, **_
     rows = []
     fmt = f"L{LAYERS}_nkv{N_KV}_D{HEAD_DIM}"
     for t in tokens:
-        case = make_case(t, HIDDEN, LAYERS, N_KV, HEAD_DIM, "cuda", skip_every=0, seed=t,
+        case = stacked_kv_proj_case(t, HIDDEN, LAYERS, N_KV, HEAD_DIM, "cuda", skip_every=0, seed=t,
                          max_pos=max(4096, t + 1))
         args = case.args()
         # correctness of the timed call, once (reference: fp32 GEMM, explicit roundings)
@@ -78,7 +73,7 @@ def run(timer: Timer, ceiling: float, tokens=TOKENS, baselines: bool = True, **_
         reference.stacked_kv_proj(*case.args(ref_k, ref_v))
         stacked_kv_proj(*args)
         torch.cuda.synchronize()
-        result = compare(case, ref_k, ref_v, assert_close=False)
+        result = compare_stacked(case, ref_k, ref_v, assert_close=False)
         exact = result.exact_enough
         del ref_k, ref_v
 

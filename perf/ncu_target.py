@@ -8,30 +8,27 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-import cute_kernels  # noqa: E402
+import cute_kernels
 
 
 def main() -> None:
     kernel, fmt, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
     if kernel == "kv_rope_insert":
-        from kv_insert_cases import make_case
+        from cute_kernels.testing import kv_rope_insert_case
 
-        case = make_case(fmt, tokens, 64, "cuda", extra_rows=0, positions_base=1000,
+        case = kv_rope_insert_case(fmt, tokens, 64, "cuda", extra_rows=0, positions_base=1000,
                          skip_every=0)
         for _ in range(4):
             cute_kernels.kv_rope_insert(*case.args())
     elif kernel == "stacked_kv_proj":  # fmt is ignored: the benchmark's drafter layout
-        from stacked_kv_proj_cases import make_case
+        from cute_kernels.testing import stacked_kv_proj_case
 
         from .bench_stacked_kv_proj import HEAD_DIM, HIDDEN, LAYERS, N_KV
 
-        case = make_case(tokens, HIDDEN, LAYERS, N_KV, HEAD_DIM, "cuda", skip_every=0,
+        case = stacked_kv_proj_case(tokens, HIDDEN, LAYERS, N_KV, HEAD_DIM, "cuda", skip_every=0,
                          max_pos=max(4096, tokens + 1))
         for _ in range(4):
             cute_kernels.stacked_kv_proj(*case.args())

@@ -71,7 +71,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         return compile_only()
 
-    from . import bench_c128, bench_kv_insert, bench_stacked_kv_proj
+    from . import bench_compress_c128, bench_kv_rope_insert, bench_stacked_kv_proj
     from .timing import Timer, copy_ceiling_bytes_per_s, environment
 
     env = environment()
@@ -79,7 +79,7 @@ def main() -> int:
     print(f"{env['gpu']} {env['date']}: copy ceiling {ceiling / 1e12:.3f} TB/s", flush=True)
     timer = Timer()
     rows: list[dict] = []
-    benches = {"kv_rope_insert": bench_kv_insert, "compress_c128": bench_c128,
+    benches = {"kv_rope_insert": bench_kv_rope_insert, "compress_c128": bench_compress_c128,
                "stacked_kv_proj": bench_stacked_kv_proj}
     for name, bench in benches.items():
         if args.kernel in (None, name):

@@ -7,7 +7,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cute_kernels  # noqa: E402
-from cute_kernels.kv_insert import KERNELS, CacheFormat, KvInsertKey  # noqa: E402
+from cute_kernels.kv_rope_insert import KERNELS, KvRopeInsertKey  # noqa: E402
+from cute_kernels.layouts import CacheFormat  # noqa: E402
 
-KERNELS.get(KvInsertKey(CacheFormat(sys.argv[1]), sys.argv[2]))
+KERNELS.get(KvRopeInsertKey(CacheFormat(sys.argv[1]), sys.argv[2]))
 print(json.dumps(cute_kernels.cache_stats()))

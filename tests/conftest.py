@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the checkout's package first, also where an older copy is installed
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 HAS_CUDA = torch.cuda.is_available()

@@ -34,12 +34,13 @@ def test_compiled_code_targets_the_requested_arch(arch, tmp_path):
 import sys; sys.path.insert(0, {str(ROOT)!r})
 import cutlass.cute as cute
 from cute_kernels import dsl_utils
-from cute_kernels.kv_insert import KERNELS, CacheFormat, KvInsertKey
+from cute_kernels.kv_rope_insert import KERNELS, KvRopeInsertKey
+from cute_kernels.layouts import CacheFormat
 original = cute.compile
 def keep_ptx(fn, *args, options=""):
     return original(fn, *args, options=options + " --keep-ptx")
 cute.compile = keep_ptx
-KERNELS.build(KvInsertKey(CacheFormat.BF16, {arch!r}))
+KERNELS.build(KvRopeInsertKey(CacheFormat.BF16, {arch!r}))
 """
     # the DSL's own default points elsewhere: only --gpu-arch can make the PTX right
     env = {**os.environ, "CUTE_DSL_ARCH": "sm_100a" if arch == "sm_90a" else "sm_90a"}

@@ -16,7 +16,8 @@ import torch
 import cute_kernels
 from cute_kernels import compile_cache
 from cute_kernels.compile_cache import KernelCache, StrictModeError
-from cute_kernels.kv_insert import KERNELS, CacheFormat, KvInsertKey, _validate
+from cute_kernels.kv_rope_insert import KERNELS, KvRopeInsertKey, kv_rope_insert
+from cute_kernels.layouts import CacheFormat
 
 WORKER = Path(__file__).resolve().parent / "cache_worker.py"
 
@@ -33,12 +34,12 @@ def _meta_args(tokens: int):
 def test_one_compile_serves_every_token_count(monkeypatch):
     monkeypatch.setenv("CUTE_KERNELS_ARCH", "sm_90a")
     monkeypatch.setenv("CUTE_KERNELS_DISK_CACHE", "0")
-    keys = {_validate(*_meta_args(t), require_cuda=False) for t in (1, 17, 1024, 262144)}
-    assert keys == {KvInsertKey(CacheFormat.V4_PACKED, "sm_90a")}
+    keys = {kv_rope_insert.validate(*_meta_args(t)) for t in (1, 17, 1024, 262144)}
+    assert keys == {KvRopeInsertKey(CacheFormat.V4_PACKED, "sm_90a")}
     cache = KernelCache("kv_rope_insert_test_tokens", KERNELS._build, KERNELS.variants)
     before = cute_kernels.cache_stats()
     for t in (1, 17, 1024, 262144):
-        cache.get(_validate(*_meta_args(t), require_cuda=False))
+        cache.get(kv_rope_insert.validate(*_meta_args(t)))
     after = cute_kernels.cache_stats()
     assert after["compiles"] - before["compiles"] == 1
     assert after["memory_hits"] - before["memory_hits"] == 3

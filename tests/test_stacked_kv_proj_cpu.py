@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from stacked_kv_proj_cases import POISON, compare, make_case, ulp_distance
 
-from cute_kernels import LayoutError
+from cute_kernels import LayoutError, check_stacked_kv_proj, stacked_kv_proj
 from cute_kernels import reference as ref
-from cute_kernels.stacked_projection import check_stacked_kv_proj
+from cute_kernels.stacked_kv_proj.plan import StackedLayout, StackedPlan, choose_plan, choose_tile
+from cute_kernels.testing import POISON, ulp_distance
+from cute_kernels.testing import compare_stacked as compare
+from cute_kernels.testing import stacked_kv_proj_case as make_case
 
 # -- the reference ------------------------------------------------------------------------------
 
@@ -205,236 +207,185 @@ def test_accepts_supported_layouts(device):
         a["k_norm_weight"], dtype=torch.bfloat16))) is None
 
 
+def _head_dim_96(a):
+    return [_like(c, shape=(8, 2, 96)) for c in a["k_caches"]]
+
+
+def _with(**over):
+    """Overrides that replace cache_loc_2d / commit_lens together (``_with_2d``)."""
+    return {"_2d": lambda a: _with_2d(a, **{k: v(a) for k, v in over.items()})}
+
+
+REJECTIONS = {  # name -> (overrides, fragments of the message)
+    "ctx_hidden_not_a_tensor": (dict(ctx_hidden=[1.0]), ("ctx_hidden", "torch.Tensor")),
+    "ctx_hidden_dtype": (dict(ctx_hidden=lambda a: _like(a["ctx_hidden"], dtype=torch.float16)),
+                         ("ctx_hidden", "bfloat16")),
+    "ctx_hidden_rank": (dict(ctx_hidden=lambda a: _like(a["ctx_hidden"], shape=(16, 2, 64))),
+                        ("ctx_hidden", "2-D")),
+    "hidden_not_a_tile_multiple": (dict(ctx_hidden=lambda a: _like(a["ctx_hidden"],
+                                                                   shape=(16, 96))),
+                                   ("ctx_hidden", "multiple of 64")),
+    "ctx_hidden_inner_stride": (dict(ctx_hidden=lambda a: _like(a["ctx_hidden"],
+                                                                stride=(1, 16))),
+                                ("ctx_hidden", "stride 1")),
+    "ctx_hidden_row_stride_alignment": (dict(ctx_hidden=lambda a: _like(a["ctx_hidden"],
+                                                                        stride=(132, 1))),
+                                        ("ctx_hidden", "16 bytes")),
+    "weight_dtype_quantised": (dict(weight=lambda a: _like(a["weight"],
+                                                           dtype=torch.float8_e4m3fn)),
+                               ("weight", "bfloat16")),
+    "weight_int8": (dict(weight=lambda a: _like(a["weight"], dtype=torch.int8)),
+                    ("weight", "bfloat16")),
+    "weight_rows": (dict(weight=lambda a: _like(a["weight"], shape=(512, 128))),
+                    ("weight", "L*2*n_kv*D")),
+    "weight_hidden": (dict(weight=lambda a: _like(a["weight"], shape=(1024, 192))),
+                      ("weight", "shape")),
+    "weight_inner_stride": (dict(weight=lambda a: _like(a["weight"], stride=(1, 1024))),
+                            ("weight", "stride 1")),
+    "head_dim": (dict(k_caches=_head_dim_96), ("k_caches[0]", "head dim")),
+    "bias_dtype": (dict(bias=lambda a: _like(a["weight"], shape=(1024,), dtype=torch.float32)),
+                   ("bias", "bfloat16")),
+    "bias_shape": (dict(bias=lambda a: _like(a["weight"], shape=(512,))), ("bias", "1024")),
+    "k_norm_weight_dtype": (dict(k_norm_weight=lambda a: _like(a["k_norm_weight"],
+                                                               dtype=torch.float16)),
+                            ("k_norm_weight", "float32")),
+    "k_norm_weight_rank": (dict(k_norm_weight=lambda a: _like(a["k_norm_weight"],
+                                                              shape=(128,))),
+                           ("k_norm_weight", "2-D")),
+    "k_norm_weight_shape": (dict(k_norm_weight=lambda a: _like(a["k_norm_weight"],
+                                                               shape=(3, 128))),
+                            ("k_norm_weight", "[L, D]")),
+    "eps_negative": (dict(eps=-1.0), ("eps", "non-negative")),
+    "eps_bool": (dict(eps=True), ("eps",)),
+    "eps_string": (dict(eps="1e-6"), ("eps",)),
+    "eps_overflows_a_float": (dict(eps=10**400), ("eps", "finite")),
+    "eps_beyond_fp32": (dict(eps=1e39), ("eps", "fp32")),
+    "positions_dtype": (dict(positions=lambda a: _like(a["positions"], dtype=torch.int32)),
+                        ("positions", "int64")),
+    "positions_length": (dict(positions=lambda a: _like(a["positions"], shape=(15,))),
+                         ("positions", "16 entries")),
+    "positions_rank": (dict(positions=lambda a: _like(a["positions"], shape=(16, 1))),
+                       ("positions", "1-D")),
+    "positions_0d": (dict(positions=lambda a: _like(a["positions"], shape=())),
+                     ("positions", "1-D")),
+    "cache_loc_dtype": (dict(cache_loc=lambda a: _like(a["cache_loc"], dtype=torch.int32)),
+                        ("cache_loc", "int64")),
+    "cache_loc_length": (dict(cache_loc=lambda a: _like(a["cache_loc"], shape=(17,))),
+                         ("cache_loc", "16 entries")),
+    "cache_loc_none": (dict(cache_loc=None), ("cache_loc", "torch.Tensor")),
+    "cos_sin_dtype": (dict(cos_sin_cache=lambda a: _like(a["cos_sin_cache"],
+                                                         dtype=torch.bfloat16)),
+                      ("cos_sin_cache", "float32")),
+    "cos_sin_width": (dict(cos_sin_cache=lambda a: _like(a["cos_sin_cache"],
+                                                         shape=(4096, 64))),
+                      ("cos_sin_cache", "D = 128")),
+    "cos_sin_not_contiguous": (dict(cos_sin_cache=lambda a: _like(a["cos_sin_cache"],
+                                                                  stride=(1, 4096))),
+                               ("cos_sin_cache", "contiguous")),
+    "cache_lists_differ_in_length": (dict(v_caches=lambda a: a["v_caches"][:1]),
+                                     ("v_caches", "2 tensors")),
+    "caches_not_a_list": (dict(k_caches=lambda a: a["k_caches"][0]), ("k_caches", "list")),
+    "caches_empty": (dict(k_caches=[]), ("k_caches", "non-empty")),
+    "cache_dtype": (dict(k_caches=lambda a: _cache_list(
+        a, "k_caches", lambda c: _like(c, dtype=torch.float16))), ("k_caches[0]", "bfloat16")),
+    "cache_rank": (dict(v_caches=lambda a: _cache_list(
+        a, "v_caches", lambda c: _like(c, shape=(8, 256)))), ("v_caches[0]", "3-D")),
+    "v_cache_shape": (dict(v_caches=lambda a: _cache_list(
+        a, "v_caches", lambda c: _like(c, shape=(8, 1, 128)))), ("v_caches[0]", "[slots, 2")),
+    "cache_head_stride": (dict(k_caches=lambda a: _cache_list(
+        a, "k_caches", lambda c: _like(c, shape=(8, 2, 128), stride=(512, 256, 1)))),
+        ("k_caches[0]", "strides")),
+    "cache_row_stride_alignment": (dict(k_caches=lambda a: _cache_list(
+        a, "k_caches", lambda c: _like(c, shape=(8, 2, 128), stride=(260, 128, 1)))),
+        ("k_caches[0]", "16 bytes")),
+    "cache_rows_overlap": (dict(k_caches=lambda a: _cache_list(
+        a, "k_caches", lambda c: _like(c, shape=(8, 2, 128), stride=(128, 128, 1)))),
+        ("k_caches[0]", "overlap")),
+    "cache_device": (dict(k_caches=lambda a: _cache_list(
+        a, "k_caches", lambda c: torch.empty(c.shape, dtype=c.dtype, device=_other(a)))),
+        ("k_caches[0]", "device")),
+    "commit_lens_without_cache_loc_2d": (dict(commit_lens=lambda a: _with_2d(a)["commit_lens"]),
+                                         ("cache_loc_2d",)),
+    "cache_loc_2d_without_commit_lens": (dict(cache_loc_2d=lambda a: _with_2d(a)[
+        "cache_loc_2d"]), ("commit_lens",)),
+    "cache_loc_2d_size": (_with(cache_loc_2d=lambda a: torch.zeros(
+        2, 7, dtype=torch.int64, device=a["ctx_hidden"].device)), ("cache_loc_2d", "bs*W")),
+    "cache_loc_2d_dtype": (_with(cache_loc_2d=lambda a: torch.zeros(
+        2, 8, dtype=torch.int32, device=a["ctx_hidden"].device)), ("cache_loc_2d", "int64")),
+    "commit_lens_dtype": (_with(commit_lens=lambda a: torch.zeros(
+        2, dtype=torch.int64, device=a["ctx_hidden"].device)), ("commit_lens", "int32")),
+    "commit_lens_length": (_with(commit_lens=lambda a: torch.zeros(
+        3, dtype=torch.int32, device=a["ctx_hidden"].device)), ("commit_lens", "2 entries")),
+    "index_tensor_device": (dict(positions=lambda a: torch.zeros(16, dtype=torch.int64,
+                                                                 device=_other(a))),
+                            ("positions", "device")),
+}
+
+
+def _other(args) -> str:
+    """A device other than the arguments' (meta <-> cpu)."""
+    return "cpu" if args["ctx_hidden"].is_meta else "meta"
+
+
+def _apply(args, overrides):
+    for key, value in overrides.items():
+        value = value(args) if callable(value) else value
+        if key == "_2d":
+            args.update(value)
+        else:
+            args[key] = value
+    return args
+
+
 @pytest.mark.parametrize("device", DEVICES)
-class TestRejections:
-    def test_ctx_hidden_not_a_tensor(self, device):
-        _rejects(_args(device, ctx_hidden=[1.0]), "ctx_hidden", "torch.Tensor")
+@pytest.mark.parametrize("name", list(REJECTIONS))
+def test_rejection(device, name):
+    overrides, fragments = REJECTIONS[name]
+    _rejects(_apply(_args(device), overrides), *fragments)
 
-    def test_ctx_hidden_dtype(self, device):
-        _rejects(_args(device, ctx_hidden=lambda a: _like(a["ctx_hidden"], dtype=torch.float16)),
-                 "ctx_hidden", "bfloat16")
 
-    def test_ctx_hidden_rank(self, device):
-        _rejects(_args(device, ctx_hidden=lambda a: _like(a["ctx_hidden"], shape=(16, 2, 64))),
-                 "ctx_hidden", "2-D")
+@pytest.mark.parametrize("arg", ["ctx_hidden", "v_caches"])
+def test_misaligned_base(arg):
+    """Meta tensors have no address: CPU only."""
+    args = _args("cpu")
+    if arg == "v_caches":
+        args["v_caches"] = _cache_list(args, "v_caches", _misaligned)
+    else:
+        args[arg] = _misaligned(args[arg])
+    _rejects(args, f"{arg}[0]" if arg == "v_caches" else arg, "aligned to 16")
 
-    def test_hidden_not_a_tile_multiple(self, device):
-        _rejects(_args(device, ctx_hidden=lambda a: _like(a["ctx_hidden"], shape=(16, 96))),
-                 "ctx_hidden", "multiple of 64")
 
-    def test_ctx_hidden_inner_stride(self, device):
-        _rejects(_args(device, ctx_hidden=lambda a: _like(a["ctx_hidden"], stride=(1, 16))),
-                 "ctx_hidden", "stride 1")
+def test_kv_of_several_small_heads_is_accepted():
+    """D = 64 with 3 heads: kv = 192 is not a multiple of the 128-column tile, but of D, so the
+    tile falls back to 64 columns."""
+    args = _args("meta")
+    caches = [_like(c, shape=(8, 3, 64)) for c in args["k_caches"]]
+    ok = dict(args, k_caches=caches, v_caches=[c.clone() for c in caches],
+              weight=_like(args["weight"], shape=(2 * 2 * 192, 128)),
+              k_norm_weight=_like(args["k_norm_weight"], shape=(2, 64)),
+              cos_sin_cache=_like(args["cos_sin_cache"], shape=(64, 64)))
+    assert check_stacked_kv_proj(**ok) is None
 
-    def test_ctx_hidden_row_stride_alignment(self, device):
-        _rejects(_args(device, ctx_hidden=lambda a: _like(a["ctx_hidden"], stride=(132, 1))),
-                 "ctx_hidden", "16 bytes")
 
-    def test_ctx_hidden_base_alignment(self, device):
-        if device == "meta":
-            pytest.skip("meta tensors have no address")
-        _rejects(_args(device, ctx_hidden=lambda a: _misaligned(a["ctx_hidden"])),
-                 "ctx_hidden", "aligned to 16")
+OVERRIDE_REJECTIONS = {  # name -> (environment, fragments)
+    "wgmma_on_sm_100a": (dict(CUTE_KERNELS_ARCH="sm_100a", CUTE_KERNELS_STACKED_IMPL="wgmma"),
+                         ("CUTE_KERNELS_STACKED_IMPL", "sm_100a")),
+    "unknown_tile": (dict(CUTE_KERNELS_ARCH="sm_90a", CUTE_KERNELS_STACKED_TILE="m256"),
+                     ("CUTE_KERNELS_STACKED_TILE", "m128w")),
+    "wide_tile_needs_wgmma": (dict(CUTE_KERNELS_ARCH="sm_100a",
+                                   CUTE_KERNELS_STACKED_TILE="m128w"),
+                              ("CUTE_KERNELS_STACKED_TILE", "mma core")),
+    "unsupported_arch": (dict(CUTE_KERNELS_ARCH="sm_80"), ("arch", "sm_90a")),
+}
 
-    def test_weight_dtype_quantised(self, device):
-        _rejects(_args(device, weight=lambda a: _like(a["weight"], dtype=torch.float8_e4m3fn)),
-                 "weight", "bfloat16")
 
-    def test_weight_int8(self, device):
-        _rejects(_args(device, weight=lambda a: _like(a["weight"], dtype=torch.int8)),
-                 "weight", "bfloat16")
-
-    def test_weight_rows(self, device):
-        _rejects(_args(device, weight=lambda a: _like(a["weight"], shape=(512, 128))),
-                 "weight", "L*2*n_kv*D")
-
-    def test_weight_hidden(self, device):
-        _rejects(_args(device, weight=lambda a: _like(a["weight"], shape=(1024, 192))),
-                 "weight", "shape")
-
-    def test_weight_inner_stride(self, device):
-        _rejects(_args(device, weight=lambda a: _like(a["weight"], stride=(1, 1024))),
-                 "weight", "stride 1")
-
-    def test_kv_not_a_multiple_of_the_tile(self, device):
-        # D = 64 with 3 heads: kv = 192 is not a multiple of the 128-column tile... but it is a
-        # multiple of D, so tile_n falls back to 64: accepted. A tile mismatch needs kv % D.
-        args = _args(device)
-        caches = [_like(c, shape=(8, 3, 64)) for c in args["k_caches"]]
-        ok = dict(args, k_caches=caches, v_caches=[c.clone() for c in caches],
-                  weight=_like(args["weight"], shape=(2 * 2 * 192, 128)),
-                  k_norm_weight=_like(args["k_norm_weight"], shape=(2, 64)),
-                  cos_sin_cache=_like(args["cos_sin_cache"], shape=(64, 64)))
-        assert check_stacked_kv_proj(**ok) is None
-
-    def test_head_dim(self, device):
-        args = _args(device)
-        caches = [_like(c, shape=(8, 2, 96)) for c in args["k_caches"]]
-        _rejects(dict(args, k_caches=caches), "k_caches[0]", "head dim")
-
-    def test_bias_dtype(self, device):
-        _rejects(_args(device, bias=lambda a: _like(a["weight"], shape=(1024,),
-                                                    dtype=torch.float32)), "bias", "bfloat16")
-
-    def test_bias_shape(self, device):
-        _rejects(_args(device, bias=lambda a: _like(a["weight"], shape=(512,))), "bias", "1024")
-
-    def test_k_norm_weight_dtype(self, device):
-        _rejects(_args(device, k_norm_weight=lambda a: _like(a["k_norm_weight"],
-                                                             dtype=torch.float16)),
-                 "k_norm_weight", "float32")
-
-    def test_k_norm_weight_shape(self, device):
-        _rejects(_args(device, k_norm_weight=lambda a: _like(a["k_norm_weight"], shape=(128,))),
-                 "k_norm_weight", "2-D")
-        _rejects(_args(device, k_norm_weight=lambda a: _like(a["k_norm_weight"],
-                                                             shape=(3, 128))),
-                 "k_norm_weight", "[L, D]")
-
-    def test_eps(self, device):
-        _rejects(_args(device, eps=-1.0), "eps", "non-negative")
-        _rejects(_args(device, eps=True), "eps")
-        _rejects(_args(device, eps="1e-6"), "eps")
-
-    def test_positions_dtype(self, device):
-        _rejects(_args(device, positions=lambda a: _like(a["positions"], dtype=torch.int32)),
-                 "positions", "int64")
-
-    def test_positions_length(self, device):
-        _rejects(_args(device, positions=lambda a: _like(a["positions"], shape=(15,))),
-                 "positions", "16 entries")
-
-    def test_positions_rank(self, device):
-        _rejects(_args(device, positions=lambda a: _like(a["positions"], shape=(16, 1))),
-                 "positions", "1-D")
-
-    def test_cache_loc_dtype(self, device):
-        _rejects(_args(device, cache_loc=lambda a: _like(a["cache_loc"], dtype=torch.int32)),
-                 "cache_loc", "int64")
-
-    def test_cache_loc_length(self, device):
-        _rejects(_args(device, cache_loc=lambda a: _like(a["cache_loc"], shape=(17,))),
-                 "cache_loc", "16 entries")
-
-    def test_cos_sin_dtype(self, device):
-        _rejects(_args(device, cos_sin_cache=lambda a: _like(a["cos_sin_cache"],
-                                                             dtype=torch.bfloat16)),
-                 "cos_sin_cache", "float32")
-
-    def test_cos_sin_width(self, device):
-        _rejects(_args(device, cos_sin_cache=lambda a: _like(a["cos_sin_cache"],
-                                                             shape=(4096, 64))),
-                 "cos_sin_cache", "D = 128")
-
-    def test_cos_sin_not_contiguous(self, device):
-        _rejects(_args(device, cos_sin_cache=lambda a: _like(a["cos_sin_cache"],
-                                                             stride=(1, 4096))),
-                 "cos_sin_cache", "contiguous")
-
-    def test_cache_lists_differ_in_length(self, device):
-        _rejects(_args(device, v_caches=lambda a: a["v_caches"][:1]), "v_caches", "2 tensors")
-
-    def test_caches_not_a_list(self, device):
-        _rejects(_args(device, k_caches=lambda a: a["k_caches"][0]), "k_caches", "list")
-
-    def test_caches_empty(self, device):
-        _rejects(_args(device, k_caches=[]), "k_caches", "non-empty")
-
-    def test_cache_dtype(self, device):
-        _rejects(_args(device, k_caches=lambda a: _cache_list(
-            a, "k_caches", lambda c: _like(c, dtype=torch.float16))), "k_caches[0]", "bfloat16")
-
-    def test_cache_rank(self, device):
-        _rejects(_args(device, v_caches=lambda a: _cache_list(
-            a, "v_caches", lambda c: _like(c, shape=(8, 256)))), "v_caches[0]", "3-D")
-
-    def test_v_cache_shape(self, device):
-        _rejects(_args(device, v_caches=lambda a: _cache_list(
-            a, "v_caches", lambda c: _like(c, shape=(8, 1, 128)))), "v_caches[0]", "[slots, 2")
-
-    def test_cache_head_stride(self, device):
-        _rejects(_args(device, k_caches=lambda a: _cache_list(
-            a, "k_caches", lambda c: _like(c, shape=(8, 2, 128), stride=(512, 256, 1)))),
-            "k_caches[0]", "strides")
-
-    def test_cache_row_stride_alignment(self, device):
-        _rejects(_args(device, k_caches=lambda a: _cache_list(
-            a, "k_caches", lambda c: _like(c, shape=(8, 2, 128), stride=(260, 128, 1)))),
-            "k_caches[0]", "16 bytes")
-
-    def test_cache_rows_overlap(self, device):
-        _rejects(_args(device, k_caches=lambda a: _cache_list(
-            a, "k_caches", lambda c: _like(c, shape=(8, 2, 128), stride=(128, 128, 1)))),
-            "k_caches[0]", "overlap")
-
-    def test_cache_base_alignment(self, device):
-        if device == "meta":
-            pytest.skip("meta tensors have no address")
-        _rejects(_args(device, v_caches=lambda a: _cache_list(a, "v_caches", _misaligned)),
-                 "v_caches[0]", "aligned to 16")
-
-    def test_cache_device(self, device):
-        other = "cpu" if device == "meta" else "meta"
-        _rejects(_args(device, k_caches=lambda a: _cache_list(
-            a, "k_caches", lambda c: torch.empty(c.shape, dtype=c.dtype, device=other))),
-            "k_caches[0]", "device")
-
-    def test_commit_lens_without_cache_loc_2d(self, device):
-        _rejects(_args(device, commit_lens=lambda a: _with_2d(a)["commit_lens"]), "cache_loc_2d")
-
-    def test_cache_loc_2d_without_commit_lens(self, device):
-        _rejects(_args(device, cache_loc_2d=lambda a: _with_2d(a)["cache_loc_2d"]),
-                 "commit_lens")
-
-    def test_cache_loc_2d_size(self, device):
-        args = _args(device)
-        dev = args["ctx_hidden"].device
-        args.update(_with_2d(args, cache_loc_2d=torch.zeros(2, 7, dtype=torch.int64,
-                                                            device=dev)))
-        _rejects(args, "cache_loc_2d", "bs*W")
-
-    def test_cache_loc_2d_dtype(self, device):
-        args = _args(device)
-        dev = args["ctx_hidden"].device
-        args.update(_with_2d(args, cache_loc_2d=torch.zeros(2, 8, dtype=torch.int32,
-                                                            device=dev)))
-        _rejects(args, "cache_loc_2d", "int64")
-
-    def test_commit_lens_dtype(self, device):
-        args = _args(device)
-        dev = args["ctx_hidden"].device
-        args.update(_with_2d(args, commit_lens=torch.zeros(2, dtype=torch.int64, device=dev)))
-        _rejects(args, "commit_lens", "int32")
-
-    def test_commit_lens_length(self, device):
-        args = _args(device)
-        dev = args["ctx_hidden"].device
-        args.update(_with_2d(args, commit_lens=torch.zeros(3, dtype=torch.int32, device=dev)))
-        _rejects(args, "commit_lens", "2 entries")
-
-    def test_index_tensor_device(self, device):
-        other = "cpu" if device == "meta" else "meta"
-        _rejects(_args(device, positions=torch.zeros(16, dtype=torch.int64, device=other)),
-                 "positions", "device")
-
-    def test_unknown_impl_override(self, device, monkeypatch):
-        monkeypatch.setenv("CUTE_KERNELS_ARCH", "sm_100a")
-        monkeypatch.setenv("CUTE_KERNELS_STACKED_IMPL", "wgmma")  # wgmma is sm_90a only
-        _rejects(_args(device), "CUTE_KERNELS_STACKED_IMPL", "sm_100a")
-
-    def test_unknown_tile_override(self, device, monkeypatch):
-        monkeypatch.setenv("CUTE_KERNELS_ARCH", "sm_90a")
-        monkeypatch.setenv("CUTE_KERNELS_STACKED_TILE", "m256")
-        _rejects(_args(device), "CUTE_KERNELS_STACKED_TILE", "m128w")
-
-    def test_wide_tile_needs_wgmma(self, device, monkeypatch):
-        monkeypatch.setenv("CUTE_KERNELS_ARCH", "sm_100a")
-        monkeypatch.setenv("CUTE_KERNELS_STACKED_TILE", "m128w")
-        _rejects(_args(device), "CUTE_KERNELS_STACKED_TILE", "mma core")
-
-    def test_unsupported_arch(self, device, monkeypatch):
-        monkeypatch.setenv("CUTE_KERNELS_ARCH", "sm_80")
-        _rejects(_args(device), "arch", "sm_90a")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(OVERRIDE_REJECTIONS))
+def test_override_rejection(device, name, monkeypatch):
+    env, fragments = OVERRIDE_REJECTIONS[name]
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    _rejects(_args(device), *fragments)
 
 
 @pytest.mark.parametrize(("tokens", "impl", "sms", "tile"), [
@@ -446,34 +397,27 @@ class TestRejections:
 ])
 def test_tile_choice(tokens, impl, sms, tile, monkeypatch):
     """The drafter layout (L 5, n_kv 8, D 128: 80 column tiles of 128)."""
-    from cute_kernels.stacked_projection import choose_tile
-
     monkeypatch.delenv("CUTE_KERNELS_STACKED_TILE", raising=False)
     assert choose_tile(tokens, impl, 5, 8, 128, sms) == tile
 
 
 def test_tile_choice_counts_the_layouts_tiles(monkeypatch):
     """L 2, n_kv 2: 8 column tiles, so 1024 tokens of 64-row tiles still fit in one wave."""
-    from cute_kernels.stacked_projection import choose_tile
-
     monkeypatch.delenv("CUTE_KERNELS_STACKED_TILE", raising=False)
-    assert choose_tile(1024, "wgmma", 2, 2, 128) == "m64"
+    assert choose_tile(1024, "wgmma", 2, 2, 128, 132) == "m64"
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_key_on_meta_with_arch_override(arch, monkeypatch):
-    from cute_kernels.stacked_projection import _validate
-
+def test_layout_on_meta_with_arch_override(arch, monkeypatch):
+    """Validation finds the layout; the plan (core, tile) is chosen at the launch, from T and
+    the SM count of the GPU the tensors are on."""
     monkeypatch.setenv("CUTE_KERNELS_ARCH", arch)
-    monkeypatch.delenv("CUTE_KERNELS_STACKED_IMPL", raising=False)
-    args = _args("meta")
-    key = _validate(*args.values(), require_cuda=False)
-    assert key.arch == arch and key.impl == ("wgmma" if arch == "sm_90a" else "mma")
-    assert (key.num_layers, key.n_kv, key.head_dim, key.tile) == (2, 2, 128, "m64")
+    layout = stacked_kv_proj.validate(*_args("meta").values())
+    assert layout == StackedLayout(2, 2, 128, False, False, "float32", arch)
+    plan = choose_plan(layout, 16, 132)
+    assert plan == StackedPlan("wgmma" if arch == "sm_90a" else "mma", "m64")
 
 
 def test_kernel_entry_requires_cuda():
-    from cute_kernels.stacked_projection import stacked_kv_proj
-
     with pytest.raises(LayoutError, match="CUDA"):
         stacked_kv_proj(**_args("cpu"))

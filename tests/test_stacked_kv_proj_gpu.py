@@ -20,17 +20,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from stacked_kv_proj_cases import compare, make_case
 
 import cute_kernels
-from cute_kernels import reference
-from cute_kernels.stacked_projection import (
-    IMPL_ENV,
-    TILE_ENV,
-    TILES,
-    stacked_kv_proj,
-    tiles_for,
-)
+from cute_kernels import reference, stacked_kv_proj
+from cute_kernels.stacked_kv_proj.plan import IMPL_ENV, TILE_ENV, TILES, tiles_for
+from cute_kernels.testing import compare_stacked as compare
+from cute_kernels.testing import stacked_kv_proj_case as make_case
 
 pytestmark = pytest.mark.gpu
 

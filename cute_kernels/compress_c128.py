@@ -9,60 +9,51 @@ KV cache. Contract: specs/compress_c128.md.
 from __future__ import annotations
 
 import dataclasses
-import enum
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32, const_expr
+from cutlass import Float32, Int32, Int64, Uint8, Uint32, const_expr
 
 from . import dsl_utils as du
-from .arch import arch_for, max_active_clusters
+from .arch import arch_for, device_index, max_active_clusters
 from .compile_cache import KernelCache
-from .ops import mutating_op
+from .layouts import (
+    C128_FORMATS,
+    C128_RATIO,
+    C128_STATE_BLOCK,
+    C128_STATE_WIDTH,
+    CACHE_DTYPES,
+    HEAD_DIM,
+    NOPE_DIM,
+    NORM_DTYPES,
+    ROPE_DIM,
+    CacheFormat,
+    cache_format,
+    norm_dtype_name,
+)
+from .ops import cute_op
 from .validation import (
-    expect_base_aligned,
-    expect_contiguous,
-    expect_dtype,
+    expect_arg,
+    expect_eps,
     expect_fp8_scale,
+    expect_index,
     expect_paged_cache_strides,
-    expect_rank,
-    expect_same_device,
-    expect_size,
+    expect_positive_int,
     expect_stride_multiple,
-    expect_tensor,
     fail,
 )
 
-RATIO = 128  # positions per compressed record
-STATE_BLOCK = 8  # state-cache rows per page
-HEAD_DIM = 512
-ROPE_DIM = 64
-NOPE_DIM = HEAD_DIM - ROPE_DIM
-STATE_WIDTH = 2 * HEAD_DIM  # kv | score (score already holds the position bias)
-GROUP = 64  # UE8M0 group of the packed record
+GROUP = CacheFormat.V4_PACKED.group  # 64 dims: one UE8M0 group, one CTA of the cluster
 LOG2_E = 1.4426950408889634
 
-
-class CompressFormat(enum.Enum):
-    """The compressed-KV cache record, selected by the cache dtype."""
-
-    PACKED = "packed584"  # uint8 [.., 584]: 448 e4m3 + 64 bf16 | 7 UE8M0 + pad, per page
-    BF16 = "bf16"  # bf16 [.., 512]
-    FP8 = "fp8"  # float8_e4m3fn [.., 512], per-tensor scale
-
-    @property
-    def record_width(self) -> int:
-        return 584 if self is CompressFormat.PACKED else HEAD_DIM
-
-
-def compress_format(k_cache: torch.Tensor) -> CompressFormat:
-    if k_cache.dtype == torch.uint8:
-        return CompressFormat.PACKED
-    if k_cache.dtype == torch.bfloat16:
-        return CompressFormat.BF16
-    return CompressFormat.FP8
+#: Byte alignment of each tensor argument: what the kernel is compiled to assume (the fake
+#: tensors of :func:`_build`) and what the validation checks, from this one table. 2-byte
+#: code pairs and 4-byte bf16 pairs are the widest cache stores.
+ALIGN = {"state_cache": 16, "block_table": 4, "token_to_req": 4, "positions": 8,
+         "slot_mapping": 8, "norm_weight": 4, "cos_sin_cache": 16, "k_cache": 4,
+         "kv_slot_mapping": 8, "fp8_scale": 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +61,8 @@ class CompressC128Key:
     """Code-changing facts. Token, request, page and block counts, strides, eps and the grid are
     runtime values: one compile serves every batch."""
 
-    cache_format: CompressFormat
-    norm_weight_dtype: str  # "bf16" | "fp32"
+    cache_format: CacheFormat  # one of C128_FORMATS
+    norm_dtype: str  # a NORM_DTYPES name
     arch: str
 
 
@@ -100,11 +91,11 @@ class CompressC128:
     CTAS_PER_SM = 2
     WINDOW_CHUNKS = 16  # 16-byte chunks a thread stages per window: 8 kv + 8 score
     WARPS = 8
-    ROWS_PER_WARP = RATIO // WARPS  # 16 = two state pages
+    ROWS_PER_WARP = C128_RATIO // WARPS  # 16 = two state pages
     COLS_PER_LANE = 4  # one 16-byte load
     ROW_STEPS = ROWS_PER_WARP // 2  # a warp instruction covers two rows (two half-warps)
 
-    def __init__(self, fmt: CompressFormat) -> None:
+    def __init__(self, fmt: CacheFormat) -> None:
         self.fmt = fmt  # the norm weight's dtype only changes the argument type, not the body
 
     @cute.jit
@@ -177,11 +168,7 @@ class CompressC128:
             byte_alignment=128,
         )
         tWsW = sWindow[None, None, warp * 32 + lane]  # this thread's (4, 16) chunks
-        g2s = cute.make_copy_atom(
-            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
-            Float32,
-            num_bits_per_copy=128,
-        )
+        g2s = du.cp_async_atom(Float32)
 
         num_tokens = mPos.shape[0]
         per_cluster = (num_tokens - cluster_id + num_clusters - 1) // num_clusters
@@ -194,7 +181,7 @@ class CompressC128:
             pos = mPos[t_safe]
             slot = mSlot[t_safe]
             kv_slot = mKvSlot[t_safe]
-            is_boundary = in_range & (slot >= 0) & (kv_slot >= 0) & ((pos + 1) % RATIO == 0)
+            is_boundary = in_range & (slot >= 0) & (kv_slot >= 0) & ((pos + 1) % C128_RATIO == 0)
             mask = Uint32(cute.arch.vote_ballot_sync(is_boundary))
             # Software pipeline over the chunk's boundary tokens: token k+1's state copies are
             # issued as soon as token k's window is in registers, so they stay in flight through
@@ -279,9 +266,9 @@ class CompressC128:
         """Physical ids of the two state pages (16 rows) that warp ``warp`` reads for the
         boundary token held by lane ``src``."""
         token = cute.arch.shuffle_sync(t_lane, offset=src)
-        window_start = cute.arch.shuffle_sync(pos_lane, offset=src) - (RATIO - 1)
+        window_start = cute.arch.shuffle_sync(pos_lane, offset=src) - (C128_RATIO - 1)
         request = mTokenReq[token]
-        first_page = Int32(window_start // STATE_BLOCK) + 2 * warp
+        first_page = Int32(window_start // C128_STATE_BLOCK) + 2 * warp
         return mBlockTable[request, first_page], mBlockTable[request, first_page + 1]
 
     @cute.jit
@@ -390,12 +377,12 @@ class CompressC128:
         for offset in (4, 2, 1):
             partial = partial + cute.arch.shuffle_sync_bfly(partial, offset=offset)
         total = cute.arch.shuffle_sync(partial, offset=0)
-        rstd = du.rsqrt_approx(total * (1.0 / HEAD_DIM) + eps)
+        rstd = du.rsqrt_approx_ftz(total * (1.0 / HEAD_DIM) + eps)
         y = cute.make_rmem_tensor((2,), Float32)
         for c in cutlass.range_constexpr(2):
             weight = mNormW[rank * GROUP + 2 * lane + c].to(Float32)
             y[c] = x[c] * rstd * weight
-        self.store(y, mCosSin, mCache, mScale, pos - (RATIO - 1), kv_slot, rank, lane)
+        self.store(y, mCosSin, mCache, mScale, pos - (C128_RATIO - 1), kv_slot, rank, lane)
 
     @cute.jit
     def store(
@@ -420,9 +407,9 @@ class CompressC128:
             cos = mCosSin[window_start, lane]
             sin = mCosSin[window_start, ROPE_DIM // 2 + lane]
             y[0], y[1] = du.rotate_pair(y[0], y[1], cos, sin)
-        if const_expr(self.fmt is CompressFormat.PACKED):
-            record = page + row * (NOPE_DIM + 2 * ROPE_DIM)
-            scale_row = page + block_size * (NOPE_DIM + 2 * ROPE_DIM) + row * 8
+        if const_expr(self.fmt is CacheFormat.V4_PACKED):
+            record = page + row * self.fmt.data_bytes
+            scale_row = page + block_size * self.fmt.data_bytes + row * self.fmt.scale_bytes
             if is_rope:
                 dst = record + NOPE_DIM + 4 * lane
                 ptr = cute.make_ptr(Uint32, dst, cute.AddressSpace.gmem, assumed_align=4)
@@ -447,7 +434,7 @@ class CompressC128:
                     scale.store(Uint8(du.ue8m0_byte(exponent)))
         else:
             row_start = page + row * mCache.stride[1]
-            if const_expr(self.fmt is CompressFormat.BF16):
+            if const_expr(self.fmt is CacheFormat.BF16):
                 dst = row_start + 2 * (rank * GROUP + 2 * lane)
                 ptr = cute.make_ptr(Uint32, dst, cute.AddressSpace.gmem, assumed_align=4)
                 ptr.store(du.pack_bf16x2(y[0], y[1]))
@@ -461,28 +448,29 @@ class CompressC128:
                 ptr.store(cutlass.Uint16(codes & Uint32(0xFFFF)))
 
 
-_NORM_DTYPES = {"bf16": (torch.bfloat16, BFloat16), "fp32": (torch.float32, Float32)}
-
-
 def _build(key: CompressC128Key):
     fmt = key.cache_format
     tokens = du.sym()
     state = du.fake_tensor(
-        Float32, (du.sym(), STATE_BLOCK, STATE_WIDTH), (du.sym_stride(4), STATE_WIDTH, 1),
-        align=16,
+        Float32, (du.sym(), C128_STATE_BLOCK, C128_STATE_WIDTH),
+        (du.sym_stride(4), C128_STATE_WIDTH, 1), align=ALIGN["state_cache"],
     )
-    block_table = du.fake_tensor(Int32, (du.sym(), du.sym()), (du.sym_stride(), 1), align=4)
-    token_req = du.fake_row_major(Int32, (tokens,), align=4)
-    positions = du.fake_row_major(Int64, (tokens,), align=8)
-    slots = du.fake_row_major(Int64, (tokens,), align=8)
-    norm_w = du.fake_row_major(_NORM_DTYPES[key.norm_weight_dtype][1], (HEAD_DIM,), align=4)
-    cos_sin = du.fake_row_major(Float32, (du.sym(), ROPE_DIM), align=16)
-    row_bytes = HEAD_DIM * 2 if fmt is CompressFormat.BF16 else fmt.record_width
+    block_table = du.fake_tensor(Int32, (du.sym(), du.sym()), (du.sym_stride(), 1),
+                                 align=ALIGN["block_table"])
+    token_req = du.fake_row_major(Int32, (tokens,), align=ALIGN["token_to_req"])
+    positions = du.fake_row_major(Int64, (tokens,), align=ALIGN["positions"])
+    slots = du.fake_row_major(Int64, (tokens,), align=ALIGN["slot_mapping"])
+    norm_w = du.fake_row_major(du.DSL_DTYPES[NORM_DTYPES[key.norm_dtype]], (HEAD_DIM,),
+                               align=ALIGN["norm_weight"])
+    cos_sin = du.fake_row_major(Float32, (du.sym(), ROPE_DIM), align=ALIGN["cos_sin_cache"])
     cache = du.fake_tensor(
-        Uint8, (du.sym(), du.sym(), row_bytes), (du.sym_stride(4), du.sym_stride(4), 1), align=4
+        Uint8, (du.sym(), du.sym(), fmt.row_bytes), (du.sym_stride(4), du.sym_stride(4), 1),
+        align=ALIGN["k_cache"],
     )
-    kv_slots = du.fake_row_major(Int64, (tokens,), align=8)
-    scale = du.fake_row_major(Float32, (1,), align=4) if fmt is CompressFormat.FP8 else None
+    kv_slots = du.fake_row_major(Int64, (tokens,), align=ALIGN["kv_slot_mapping"])
+    scale = None
+    if fmt is CacheFormat.FP8:
+        scale = du.fake_row_major(Float32, (1,), align=ALIGN["fp8_scale"])
     kernel = CompressC128(fmt)
     return du.compile_tvm_ffi(
         kernel, state, block_table, token_req, positions, slots, norm_w, Float32(1e-6), cos_sin,
@@ -491,128 +479,10 @@ def _build(key: CompressC128Key):
 
 
 def _variants(arch: str) -> list[CompressC128Key]:
-    return [CompressC128Key(fmt, w, arch) for fmt in CompressFormat for w in _NORM_DTYPES]
+    return [CompressC128Key(fmt, w, arch) for fmt in C128_FORMATS for w in NORM_DTYPES]
 
 
 KERNELS = KernelCache("compress_c128", _build, _variants)
-
-
-def _validate(
-    state_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    token_to_req: torch.Tensor,
-    positions: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    kv_slot_mapping: torch.Tensor,
-    kv_block_size: int,
-    fp8_scale: torch.Tensor | None,
-    require_cuda: bool,
-) -> CompressC128Key | None:
-    expect_tensor(state_cache, "state_cache")
-    device = state_cache.device
-    if require_cuda and device.type != "cuda":
-        fail("state_cache", "a CUDA tensor", f"device {device}")
-    expect_dtype(state_cache, "state_cache", torch.float32)
-    expect_rank(state_cache, "state_cache", 3)
-    if tuple(state_cache.shape[1:]) != (STATE_BLOCK, STATE_WIDTH):
-        fail("state_cache",
-             f"[num_blocks, {STATE_BLOCK}, {STATE_WIDTH}] (C128: block size 8, kv | score of "
-             f"width {HEAD_DIM}, no overlap)", f"shape {tuple(state_cache.shape)}")
-    if state_cache.stride(2) != 1 or state_cache.stride(1) != STATE_WIDTH:
-        fail("state_cache", f"row stride {STATE_WIDTH} and unit inner stride",
-             f"strides {state_cache.stride()}")
-    if state_cache.shape[0] > 1 and state_cache.stride(0) < STATE_BLOCK * STATE_WIDTH:
-        fail("state_cache", f"page stride >= {STATE_BLOCK * STATE_WIDTH} (pages must not overlap)",
-             f"strides {state_cache.stride()}")
-    expect_stride_multiple(state_cache, "state_cache", [0], 16)
-    expect_base_aligned(state_cache, "state_cache", 16)
-
-    expect_tensor(block_table, "block_table")
-    expect_same_device(block_table, "block_table", device, "state_cache")
-    expect_dtype(block_table, "block_table", torch.int32)
-    expect_rank(block_table, "block_table", 2)
-    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
-        fail("block_table", "unit stride along dim 1", f"strides {block_table.stride()}")
-
-    num_tokens = positions.shape[0] if isinstance(positions, torch.Tensor) else None
-    for name, t, dtype in (
-        ("token_to_req", token_to_req, torch.int32),
-        ("positions", positions, torch.int64),
-        ("slot_mapping", slot_mapping, torch.int64),
-        ("kv_slot_mapping", kv_slot_mapping, torch.int64),
-    ):
-        expect_tensor(t, name)
-        expect_same_device(t, name, device, "state_cache")
-        expect_dtype(t, name, dtype)
-        expect_rank(t, name, 1)
-        expect_contiguous(t, name)
-        if t.shape[0] != num_tokens:
-            fail(name, f"{num_tokens} entries (one per token, as positions)", t.shape[0])
-
-    expect_tensor(norm_weight, "norm_weight")
-    expect_same_device(norm_weight, "norm_weight", device, "state_cache")
-    expect_dtype(norm_weight, "norm_weight", torch.bfloat16, torch.float32)
-    expect_rank(norm_weight, "norm_weight", 1)
-    expect_size(norm_weight, "norm_weight", 0, HEAD_DIM)
-    expect_contiguous(norm_weight, "norm_weight")
-    if isinstance(eps, bool) or not isinstance(eps, (float, int)) or not eps >= 0:
-        fail("eps", "a non-negative float", repr(eps))
-
-    expect_tensor(cos_sin_cache, "cos_sin_cache")
-    expect_same_device(cos_sin_cache, "cos_sin_cache", device, "state_cache")
-    expect_dtype(cos_sin_cache, "cos_sin_cache", torch.float32)
-    expect_rank(cos_sin_cache, "cos_sin_cache", 2)
-    expect_size(cos_sin_cache, "cos_sin_cache", 1, ROPE_DIM)
-    expect_contiguous(cos_sin_cache, "cos_sin_cache")
-
-    expect_tensor(k_cache, "k_cache")
-    expect_same_device(k_cache, "k_cache", device, "state_cache")
-    expect_dtype(k_cache, "k_cache", torch.uint8, torch.bfloat16, torch.float8_e4m3fn)
-    expect_rank(k_cache, "k_cache", 3)
-    fmt = compress_format(k_cache)
-    if k_cache.shape[2] != fmt.record_width:
-        fail("k_cache", f"record width {fmt.record_width} for a {k_cache.dtype} cache",
-             f"shape {tuple(k_cache.shape)}")
-    if isinstance(kv_block_size, bool) or not isinstance(kv_block_size, int) or kv_block_size <= 0:
-        fail("kv_block_size", "a positive int", repr(kv_block_size))
-    if k_cache.shape[1] != kv_block_size:
-        fail("kv_block_size", f"k_cache.shape[1] = {k_cache.shape[1]}", kv_block_size)
-    # 2-byte code pairs and 4-byte bf16 pairs are the widest stores
-    expect_paged_cache_strides(k_cache, "k_cache", kv_block_size, fmt.record_width,
-                               fmt is CompressFormat.PACKED, 4)
-
-    if fmt is CompressFormat.FP8:
-        expect_fp8_scale(fp8_scale, device, "state_cache")
-
-    arch = arch_for(device)
-    norm = "bf16" if norm_weight.dtype == torch.bfloat16 else "fp32"
-    return CompressC128Key(fmt, norm, arch) if arch is not None else None
-
-
-def check_compress_c128(
-    state_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    token_to_req: torch.Tensor,
-    positions: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    kv_slot_mapping: torch.Tensor,
-    kv_block_size: int,
-    fp8_scale: torch.Tensor | None = None,
-) -> None:
-    """Raise :class:`LayoutError` if :func:`compress_c128` would reject these arguments
-    (metadata only: meta tensors work)."""
-    _validate(state_cache, block_table, token_to_req, positions, slot_mapping, norm_weight, eps,
-              cos_sin_cache, k_cache, kv_slot_mapping, kv_block_size, fp8_scale,
-              require_cuda=False)
-
 
 GRID_WAVES = 1  # persistent grid = this many resident sets of clusters
 
@@ -625,35 +495,19 @@ def _grid_clusters(device: torch.device, num_tokens: int) -> int:
     finished its whole share, so a grid even slightly above the resident count runs a tail at a
     fraction of the bandwidth; and a larger grid costs every batch with few windows (each
     cluster scans its share of the tokens). Measured on the H200: specs/compress_c128.md."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    resident = max_active_clusters(index, CompressC128.CLUSTER, CompressC128.CTAS_PER_SM,
-                                   32 * CompressC128.WARPS)
+    resident = max_active_clusters(device_index(device), CompressC128.CLUSTER,
+                                   CompressC128.CTAS_PER_SM, 32 * CompressC128.WARPS)
     return max(1, min(num_tokens, GRID_WAVES * resident))
 
 
-@mutating_op("compress_c128", mutates_args=("k_cache",))
-def _compress_c128_op(
-    state_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    token_to_req: torch.Tensor,
-    positions: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    kv_slot_mapping: torch.Tensor,
-    kv_block_size: int,
-    fp8_scale: torch.Tensor | None = None,
-) -> None:
-    key = _validate(state_cache, block_table, token_to_req, positions, slot_mapping, norm_weight,
-                    eps, cos_sin_cache, k_cache, kv_slot_mapping, kv_block_size, fp8_scale,
-                    require_cuda=True)
+def _launch(key: CompressC128Key, args: tuple) -> None:
+    (state_cache, block_table, token_to_req, positions, slot_mapping, norm_weight, eps,
+     cos_sin_cache, k_cache, kv_slot_mapping, _, fp8_scale) = args
     num_tokens = positions.shape[0]
     if num_tokens == 0:
         return
     cache_bytes = k_cache if k_cache.dtype == torch.uint8 else k_cache.view(torch.uint8)
-    scale = fp8_scale.reshape(1) if key.cache_format is CompressFormat.FP8 else None
+    scale = fp8_scale.reshape(1) if key.cache_format is CacheFormat.FP8 else None
     KERNELS.get(key)(
         state_cache, block_table, token_to_req, positions, slot_mapping, norm_weight, float(eps),
         cos_sin_cache, cache_bytes, kv_slot_mapping, scale,
@@ -661,6 +515,7 @@ def _compress_c128_op(
     )
 
 
+@cute_op("compress_c128", mutates_args=("k_cache",), launch=_launch)
 def compress_c128(
     state_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -674,15 +529,70 @@ def compress_c128(
     kv_slot_mapping: torch.Tensor,
     kv_block_size: int,
     fp8_scale: torch.Tensor | None = None,
-) -> None:
+) -> CompressC128Key | None:
     """C128 compress + RMSNorm + RoPE + quantise + paged store, one launch (see the module doc).
 
     Tokens not on a 128-position boundary, or with a negative ``slot_mapping`` or
     ``kv_slot_mapping``, write nothing. Launches on the current stream with no host sync and no
-    allocation (CUDA-graph safe)."""
-    args = (state_cache, block_table, token_to_req, positions, slot_mapping, norm_weight, eps,
-            cos_sin_cache, k_cache, kv_slot_mapping, kv_block_size, fp8_scale)
-    if torch.compiler.is_compiling():
-        torch.ops.cute_kernels.compress_c128(*args)
-    else:
-        _compress_c128_op(*args)
+    allocation (CUDA-graph safe). Contract: specs/compress_c128.md."""
+    expect_arg(state_cache, "state_cache", (torch.float32,), 3, ALIGN["state_cache"])
+    device = state_cache.device
+    if tuple(state_cache.shape[1:]) != (C128_STATE_BLOCK, C128_STATE_WIDTH):
+        fail("state_cache",
+             f"[num_blocks, {C128_STATE_BLOCK}, {C128_STATE_WIDTH}] (C128: block size 8, "
+             f"kv | score of width {HEAD_DIM}, no overlap)", f"shape {tuple(state_cache.shape)}")
+    if state_cache.stride(2) != 1 or state_cache.stride(1) != C128_STATE_WIDTH:
+        fail("state_cache", f"row stride {C128_STATE_WIDTH} and unit inner stride",
+             f"strides {state_cache.stride()}")
+    page_floats = C128_STATE_BLOCK * C128_STATE_WIDTH
+    if state_cache.shape[0] > 1 and state_cache.stride(0) < page_floats:
+        fail("state_cache", f"page stride >= {page_floats} (pages must not overlap)",
+             f"strides {state_cache.stride()}")
+    expect_stride_multiple(state_cache, "state_cache", [0], ALIGN["state_cache"])
+
+    expect_arg(block_table, "block_table", (torch.int32,), 2, ALIGN["block_table"], device,
+               "state_cache")
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        fail("block_table", "unit stride along dim 1", f"strides {block_table.stride()}")
+
+    expect_index(positions, "positions", torch.int64, device, "state_cache")
+    num_tokens = positions.shape[0]
+    for name, t, dtype in (
+        ("token_to_req", token_to_req, torch.int32),
+        ("slot_mapping", slot_mapping, torch.int64),
+        ("kv_slot_mapping", kv_slot_mapping, torch.int64),
+    ):
+        expect_index(t, name, dtype, device, "state_cache", num_tokens,
+                     "one per token, as positions")
+
+    expect_arg(norm_weight, "norm_weight", tuple(NORM_DTYPES.values()), 1,
+               ALIGN["norm_weight"], device, "state_cache", sizes={0: HEAD_DIM},
+               contiguous=True)
+    expect_eps(eps)
+
+    expect_arg(cos_sin_cache, "cos_sin_cache", (torch.float32,), 2, ALIGN["cos_sin_cache"],
+               device, "state_cache", sizes={1: ROPE_DIM}, contiguous=True)
+
+    expect_arg(k_cache, "k_cache", CACHE_DTYPES, 3, ALIGN["k_cache"], device, "state_cache")
+    fmt = cache_format(k_cache.dtype)
+    if k_cache.shape[2] != fmt.record_width:
+        fail("k_cache", f"record width {fmt.record_width} for a {k_cache.dtype} cache",
+             f"shape {tuple(k_cache.shape)}")
+    expect_positive_int(kv_block_size, "kv_block_size")
+    if k_cache.shape[1] != kv_block_size:
+        fail("kv_block_size", f"k_cache.shape[1] = {k_cache.shape[1]}", kv_block_size)
+    expect_paged_cache_strides(k_cache, "k_cache", kv_block_size, fmt.record_width, fmt.packed,
+                               ALIGN["k_cache"])
+
+    if fmt is CacheFormat.FP8:
+        expect_fp8_scale(fp8_scale, device, "state_cache", ALIGN["fp8_scale"])
+
+    arch = arch_for(device)
+    if arch is None:
+        return None
+    return CompressC128Key(fmt, norm_dtype_name(norm_weight.dtype), arch)
+
+
+check_compress_c128 = compress_c128.check
+
+__all__ = ["CompressC128", "CompressC128Key", "check_compress_c128", "compress_c128"]

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import cute_kernels
+from cute_kernels import reference
+from cute_kernels.layouts import CacheFormat
+from cute_kernels.testing import kv_rope_insert_case
 
-from kv_insert_cases import FORMATS, make_case  # noqa: E402
-
-import cute_kernels  # noqa: E402
-from cute_kernels import reference  # noqa: E402
-
-from .timing import Timer  # noqa: E402
+from .timing import Timer
 
 TOKENS = (1, 16, 512, 2048, 16384, 65536, 262144)
 BLOCK_SIZE = 64
@@ -31,9 +26,9 @@ def run(timer: Timer, ceiling: float, tokens=TOKENS, baselines: bool = True,
         slot_pattern: str = "paged") -> list[dict]:
     rows = []
     compiled_ref = torch.compile(reference.kv_rope_insert, dynamic=True)
-    for fmt in FORMATS:
+    for fmt in (f.value for f in CacheFormat):
         for t in tokens:
-            case = make_case(fmt, t, BLOCK_SIZE, "cuda", extra_rows=0,
+            case = kv_rope_insert_case(fmt, t, BLOCK_SIZE, "cuda", extra_rows=0,
                              positions_base=POSITIONS_BASE, seed=t, skip_every=0,
                              slot_pattern=slot_pattern)
             args = case.args()

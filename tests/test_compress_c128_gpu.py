@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from c128_cases import FORMATS, make_case
 
 import cute_kernels
 from cute_kernels import reference
+from cute_kernels.layouts import C128_FORMATS
+from cute_kernels.testing import compress_c128_case as make_case
+
+FORMATS = [f.value for f in C128_FORMATS]
 
 pytestmark = pytest.mark.gpu
 
@@ -125,13 +128,13 @@ def test_matches_float64_reference(fmt, num_tokens, kv_block_size):
 
 @pytest.mark.parametrize("norm_dtype", [torch.float32, torch.bfloat16])
 def test_norm_weight_dtypes(norm_dtype):
-    case = make_case("packed584", 200, 2, "cuda", norm_dtype=norm_dtype)
+    case = make_case("v4_packed", 200, 2, "cuda", norm_dtype=norm_dtype)
     cute_kernels.compress_c128(*case.args())
     _check(case, case.backing)
 
 
 def test_no_boundary_writes_nothing():
-    case = make_case("packed584", 512, 2, "cuda", boundary_every=0)
+    case = make_case("v4_packed", 512, 2, "cuda", boundary_every=0)
     cute_kernels.compress_c128(*case.args())
     torch.cuda.synchronize()
     assert bool((case.backing.view(torch.uint8) == 0xA5).all())
@@ -153,7 +156,7 @@ def test_cuda_graph_replay(fmt):
 
 
 def test_torch_compile_fullgraph():
-    case = make_case("packed584", 130, 2, "cuda")
+    case = make_case("v4_packed", 130, 2, "cuda")
 
     @torch.compile(fullgraph=True)
     def step(state, k_cache):
@@ -168,7 +171,7 @@ def test_persistent_grid_is_the_resident_cluster_count():
     """The driver's answer, bounded by the per-SM formula (clusters cannot span GPCs), cached;
     the grid never exceeds the token count."""
     from cute_kernels.arch import max_active_clusters
-    from cute_kernels.c128_compressor import GRID_WAVES, CompressC128, _grid_clusters
+    from cute_kernels.compress_c128 import GRID_WAVES, CompressC128, _grid_clusters
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     threads = 32 * CompressC128.WARPS

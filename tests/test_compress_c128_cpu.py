@@ -7,11 +7,15 @@ import math
 
 import pytest
 import torch
-from c128_cases import FORMATS, POISON, make_case
 
 import cute_kernels
 from cute_kernels import LayoutError, check_compress_c128, reference
-from cute_kernels.c128_compressor import CompressC128Key, CompressFormat, _validate
+from cute_kernels.compress_c128 import CompressC128Key
+from cute_kernels.layouts import C128_FORMATS, CacheFormat
+from cute_kernels.testing import POISON
+from cute_kernels.testing import compress_c128_case as make_case
+
+FORMATS = [f.value for f in C128_FORMATS]
 
 
 def _window_loop(case, token: int) -> torch.Tensor:
@@ -30,7 +34,7 @@ def _window_loop(case, token: int) -> torch.Tensor:
 
 
 def test_normed_windows_match_a_row_by_row_computation():
-    case = make_case("packed584", 40, 2, "cpu")
+    case = make_case("v4_packed", 40, 2, "cpu")
     tokens = torch.nonzero(case.boundary).flatten()
     y = reference.c128_normed_windows(case.state_cache, case.block_table, case.token_to_req,
                                       case.positions, case.norm_weight, case.eps, tokens)
@@ -49,7 +53,7 @@ def _record(case, token: int):
 
 
 def test_packed_record_quantises_and_rotates_the_normed_window():
-    case = make_case("packed584", 40, 2, "cpu")
+    case = make_case("v4_packed", 40, 2, "cpu")
     reference.compress_c128(*case.args())
     for token in torch.nonzero(case.boundary).flatten().tolist()[:6]:
         y = _window_loop(case, token)
@@ -74,7 +78,7 @@ def test_only_boundary_tokens_with_both_slots_write(fmt):
     case = make_case(fmt, 77, 2, "cpu")
     reference.compress_c128(*case.args())
     changed = int((case.backing.view(torch.uint8) != POISON).sum())
-    width = {"packed584": 584, "bf16": 1024, "fp8": 512}[fmt]
+    width = {"v4_packed": 584, "bf16": 1024, "fp8": 512}[fmt]
     assert 0 < changed <= int(case.boundary.sum()) * width
     assert int(case.boundary.sum()) < int(((case.positions + 1) % 128 == 0).sum())  # some skipped
 
@@ -105,9 +109,9 @@ def test_one_compile_key_for_every_token_count(monkeypatch):
     keys = set()
     for tokens in (1, 17, 1024, 4096):
         args = [a.to("meta") if isinstance(a, torch.Tensor) else a
-                for a in make_case("packed584", tokens, 2, "cpu").args()]
-        keys.add(_validate(*args, require_cuda=False))
-    assert keys == {CompressC128Key(CompressFormat.PACKED, "bf16", "sm_90a")}
+                for a in make_case("v4_packed", tokens, 2, "cpu").args()]
+        keys.add(cute_kernels.compress_c128.validate(*args))
+    assert keys == {CompressC128Key(CacheFormat.V4_PACKED, "bfloat16", "sm_90a")}
 
 
 # -- rejections -----------------------------------------------------------------------------
@@ -123,7 +127,7 @@ def _meta(t):
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
-def _args(device, fmt="packed584", **overrides):
+def _args(device, fmt="v4_packed", **overrides):
     case = make_case(fmt, 16, 2, "cpu")
     args = dict(zip(NAMES, case.args(), strict=True))
     if device == "meta":

@@ -8,10 +8,13 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
-from kv_insert_cases import FORMATS, POISON, make_case
 
 from cute_kernels import reference
-from cute_kernels.kv_insert import NOPE_DIM
+from cute_kernels.layouts import NOPE_DIM, CacheFormat
+from cute_kernels.testing import POISON
+from cute_kernels.testing import kv_rope_insert_case as make_case
+
+FORMATS = [f.value for f in CacheFormat]
 
 
 def _round_to_f32_exact(x: Fraction) -> float:

@@ -1,13 +1,12 @@
 """Zero-query-head KV insert of DeepSeek V4 / V4.1 (DSpark context insertion).
 
 RoPE (GPT-J pairs on dims 448..511) + quantisation of bf16 ``kv`` rows ``[T, 512]`` into one of
-four paged cache formats, one warp per slot at every token count. Contract: specs/kv_insert.md.
+four paged cache formats, one warp per slot at every token count. Contract: specs/kv_rope_insert.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -16,61 +15,37 @@ import torch
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32, const_expr
 
 from . import dsl_utils as du
-from .arch import SUPPORTED_ARCHS, arch_for
+from .arch import arch_for
 from .compile_cache import KernelCache
-from .ops import mutating_op
+from .layouts import (
+    CACHE_DTYPES,
+    HEAD_DIM,
+    NOPE_DIM,
+    ROPE_DIM,
+    VECTOR_BYTES,
+    CacheFormat,
+    cache_format,
+)
+from .ops import cute_op
 from .validation import (
-    LayoutError,
-    expect_base_aligned,
-    expect_contiguous,
-    expect_dtype,
+    expect_arg,
+    expect_bool,
     expect_fp8_scale,
+    expect_index,
     expect_paged_cache_strides,
-    expect_rank,
-    expect_same_device,
+    expect_positive_int,
     expect_size,
-    expect_tensor,
     fail,
 )
 
-HEAD_DIM = 512
-ROPE_DIM = 64
-NOPE_DIM = HEAD_DIM - ROPE_DIM
-# Every access is a 16-byte vector; bases and strides must allow it.
-VECTOR_BYTES = 16
-
-
-class CacheFormat(enum.Enum):
-    """The four record formats; the cache dtype (and ``kv_mxfp8`` for uint8) selects one."""
-
-    V4_PACKED = "v4_packed"  # uint8 [.., 584]: 448 e4m3 + 64 bf16 RoPE | 7 UE8M0 + pad, per page
-    V41_MXFP8 = "v41_mxfp8"  # uint8 [.., 528]: 512 e4m3 | 16 UE8M0 (groups of 32), per page
-    BF16 = "bf16"  # bf16 [.., 512]
-    FP8 = "fp8"  # float8_e4m3fn [.., 512] with a per-tensor scale
-
-    @property
-    def record_width(self) -> int:
-        """``k_cache.shape[2]`` for this format, in cache elements."""
-        return {"v4_packed": 584, "v41_mxfp8": 528, "bf16": 512, "fp8": 512}[self.value]
-
-    @property
-    def packed(self) -> bool:
-        return self in (CacheFormat.V4_PACKED, CacheFormat.V41_MXFP8)
-
-
-_CACHE_DTYPES = (torch.uint8, torch.bfloat16, torch.float8_e4m3fn)
-
-
-def cache_format(k_cache: torch.Tensor, kv_mxfp8: bool) -> CacheFormat:
-    if k_cache.dtype == torch.uint8:
-        return CacheFormat.V41_MXFP8 if kv_mxfp8 else CacheFormat.V4_PACKED
-    if k_cache.dtype == torch.bfloat16:
-        return CacheFormat.BF16
-    return CacheFormat.FP8
+#: Byte alignment of each tensor argument: what the kernel is compiled to assume (the fake
+#: tensors of :func:`_build`) and what the validation checks, from this one table.
+ALIGN = {"kv": VECTOR_BYTES, "k_cache": VECTOR_BYTES, "slot_mapping": 8, "positions": 8,
+         "cos_sin_cache": VECTOR_BYTES, "fp8_scale": 4}
 
 
 @dataclasses.dataclass(frozen=True)
-class KvInsertKey:
+class KvRopeInsertKey:
     """Everything that changes the generated code. Token count, slot count, page count, block
     size and page/row strides are runtime values: one compile serves them all."""
 
@@ -98,14 +73,11 @@ class KvRopeInsert:
 
     def __init__(self, fmt: CacheFormat) -> None:
         self.fmt = fmt
-        if fmt is CacheFormat.V4_PACKED:
-            self.group_lanes = 4  # 64-dim groups over NoPE (lanes 28..31 form a 5th, unused)
-            self.data_bytes = NOPE_DIM + 2 * ROPE_DIM  # 576
-            self.scale_bytes = 8  # 7 group scales + zero pad byte
-        elif fmt is CacheFormat.V41_MXFP8:
-            self.group_lanes = 2  # 32-dim groups over all 512 dims
-            self.data_bytes = HEAD_DIM  # 512
-            self.scale_bytes = 16
+        # V4: 64-dim groups over NoPE (lanes 28..31 form a 5th, unused); V4.1: 32-dim groups
+        # over all 512 dims.
+        self.group_lanes = fmt.group // self.DIMS_PER_LANE
+        self.data_bytes = fmt.data_bytes
+        self.scale_bytes = fmt.scale_bytes
 
     @cute.jit
     def __call__(
@@ -292,136 +264,40 @@ class KvRopeInsert:
         du.store_words(row_addr, tXrQ)
 
 
-def _build(key: KvInsertKey):
+def _build(key: KvRopeInsertKey):
     """Tensor-free compile: symbolic token, slot and page counts; 64-bit symbolic strides."""
     fmt = key.cache_format
     tokens = du.sym()
-    kv = du.fake_row_major(BFloat16, (tokens, HEAD_DIM), align=VECTOR_BYTES)
-    slots = du.fake_row_major(Int64, (du.sym(),), align=8)
-    positions = du.fake_row_major(Int64, (tokens,), align=8)
-    cos_sin = du.fake_row_major(Float32, (du.sym(), ROPE_DIM), align=VECTOR_BYTES)
-    # The kernel sees every cache as bytes (bf16/fp8 caches are viewed as uint8 by the wrapper).
-    row_bytes = fmt.record_width * (2 if fmt is CacheFormat.BF16 else 1)
+    kv = du.fake_row_major(BFloat16, (tokens, HEAD_DIM), align=ALIGN["kv"])
+    slots = du.fake_row_major(Int64, (du.sym(),), align=ALIGN["slot_mapping"])
+    positions = du.fake_row_major(Int64, (tokens,), align=ALIGN["positions"])
+    cos_sin = du.fake_row_major(Float32, (du.sym(), ROPE_DIM), align=ALIGN["cos_sin_cache"])
+    # The kernel sees every cache as bytes (bf16/fp8 caches are viewed as uint8 by the launch).
     row_stride = du.sym_stride() if fmt.packed else du.sym_stride(VECTOR_BYTES)
     cache = du.fake_tensor(
         Uint8,
-        (du.sym(), du.sym(), row_bytes),
+        (du.sym(), du.sym(), fmt.row_bytes),
         (du.sym_stride(VECTOR_BYTES), row_stride, 1),
-        align=VECTOR_BYTES,
+        align=ALIGN["k_cache"],
     )
-    scale = du.fake_row_major(Float32, (1,), align=4) if fmt is CacheFormat.FP8 else None
+    scale = None
+    if fmt is CacheFormat.FP8:
+        scale = du.fake_row_major(Float32, (1,), align=ALIGN["fp8_scale"])
     return du.compile_tvm_ffi(
         KvRopeInsert(fmt), kv, slots, positions, cos_sin, cache, scale, du.env_stream(),
         arch=key.arch,
     )
 
 
-def _variants(arch: str) -> list[KvInsertKey]:
-    return [KvInsertKey(fmt, arch) for fmt in CacheFormat]
+def _variants(arch: str) -> list[KvRopeInsertKey]:
+    return [KvRopeInsertKey(fmt, arch) for fmt in CacheFormat]
 
 
 KERNELS = KernelCache("kv_rope_insert", _build, _variants)
 
 
-def _validate(
-    kv: torch.Tensor,
-    k_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    block_size: int,
-    fp8_scale: torch.Tensor | None,
-    kv_mxfp8: bool,
-    require_cuda: bool,
-) -> KvInsertKey | None:
-    """Raise :class:`LayoutError` for anything the kernel does not support; return the compile
-    key (None when the tensors carry no arch: meta or CPU tensors)."""
-    expect_tensor(kv, "kv")
-    expect_dtype(kv, "kv", torch.bfloat16)
-    expect_rank(kv, "kv", 2)
-    expect_size(kv, "kv", 1, HEAD_DIM)
-    expect_contiguous(kv, "kv")
-    device = kv.device
-    if require_cuda and device.type != "cuda":
-        fail("kv", "a CUDA tensor", f"device {device}")
-
-    expect_tensor(k_cache, "k_cache")
-    expect_same_device(k_cache, "k_cache", device, "kv")
-    expect_dtype(k_cache, "k_cache", *_CACHE_DTYPES)
-    expect_rank(k_cache, "k_cache", 3)
-    fmt = cache_format(k_cache, bool(kv_mxfp8))
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        fail("block_size", "a positive int", repr(block_size))
-    expect_size(k_cache, "k_cache", 1, block_size)
-    if k_cache.shape[2] != fmt.record_width:
-        fail(
-            "k_cache",
-            f"record width {fmt.record_width} for a {k_cache.dtype} cache"
-            + (f" (kv_mxfp8={bool(kv_mxfp8)})" if fmt.packed else ""),
-            f"shape {tuple(k_cache.shape)}",
-        )
-    expect_paged_cache_strides(k_cache, "k_cache", block_size, fmt.record_width, fmt.packed,
-                               VECTOR_BYTES)
-
-    for name, t in (("slot_mapping", slot_mapping), ("positions", positions)):
-        expect_tensor(t, name)
-        expect_same_device(t, name, device, "kv")
-        expect_dtype(t, name, torch.int64)
-        expect_rank(t, name, 1)
-        expect_contiguous(t, name)
-    if positions.shape[0] != kv.shape[0]:
-        fail("positions", f"{kv.shape[0]} entries (one per kv row)", f"{positions.shape[0]}")
-    if slot_mapping.shape[0] > kv.shape[0]:
-        fail("slot_mapping", f"at most {kv.shape[0]} entries (kv rows)", slot_mapping.shape[0])
-
-    expect_tensor(cos_sin_cache, "cos_sin_cache")
-    expect_same_device(cos_sin_cache, "cos_sin_cache", device, "kv")
-    expect_dtype(cos_sin_cache, "cos_sin_cache", torch.float32)
-    expect_rank(cos_sin_cache, "cos_sin_cache", 2)
-    expect_size(cos_sin_cache, "cos_sin_cache", 1, ROPE_DIM)
-    expect_contiguous(cos_sin_cache, "cos_sin_cache")
-    expect_base_aligned(cos_sin_cache, "cos_sin_cache", VECTOR_BYTES)
-    expect_base_aligned(kv, "kv", VECTOR_BYTES)
-
-    if fmt is CacheFormat.FP8:
-        expect_fp8_scale(fp8_scale, device, "kv")
-
-    arch = arch_for(device)
-    return KvInsertKey(fmt, arch) if arch is not None else None
-
-
-def check_kv_rope_insert(
-    kv: torch.Tensor,
-    k_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    block_size: int,
-    fp8_scale: torch.Tensor | None = None,
-    kv_mxfp8: bool = False,
-) -> None:
-    """Raise :class:`LayoutError` if :func:`kv_rope_insert` would reject these arguments.
-
-    Reads metadata only: ``meta`` tensors work, so a model loader can check a layout without a
-    GPU. On meta/CPU tensors the arch is checked only when ``CUTE_KERNELS_ARCH`` names one.
-    """
-    _validate(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, fp8_scale,
-              kv_mxfp8, require_cuda=False)
-
-
-@mutating_op("kv_rope_insert", mutates_args=("k_cache",))
-def _kv_rope_insert_op(
-    kv: torch.Tensor,
-    k_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    block_size: int,
-    fp8_scale: torch.Tensor | None = None,
-    kv_mxfp8: bool = False,
-) -> None:
-    key = _validate(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, fp8_scale,
-                    kv_mxfp8, require_cuda=True)
+def _launch(key: KvRopeInsertKey, args: tuple) -> None:
+    kv, k_cache, slot_mapping, positions, cos_sin_cache, _, fp8_scale, _ = args
     if slot_mapping.shape[0] == 0:
         return
     cache_bytes = k_cache if k_cache.dtype == torch.uint8 else k_cache.view(torch.uint8)
@@ -429,6 +305,7 @@ def _kv_rope_insert_op(
     KERNELS.get(key)(kv, slot_mapping, positions, cos_sin_cache, cache_bytes, scale)
 
 
+@cute_op("kv_rope_insert", mutates_args=("k_cache",), launch=_launch)
 def kv_rope_insert(
     kv: torch.Tensor,
     k_cache: torch.Tensor,
@@ -438,29 +315,49 @@ def kv_rope_insert(
     block_size: int,
     fp8_scale: torch.Tensor | None = None,
     kv_mxfp8: bool = False,
-) -> None:
+) -> KvRopeInsertKey | None:
     """RoPE + quantise + insert ``kv[:N]`` into the paged ``k_cache`` at ``slot_mapping``.
 
     Same arguments, in the same order, as vLLM's ``fused_deepseek_v4_kv_rope_insert``.
     ``N = slot_mapping.shape[0]``; negative slots are skipped; nothing else is written. Launches
-    on the current stream with no host sync or allocation (CUDA-graph safe).
+    on the current stream with no host sync or allocation (CUDA-graph safe). Contract:
+    specs/kv_rope_insert.md.
     """
-    if torch.compiler.is_compiling():  # keep the kernel opaque to Dynamo
-        torch.ops.cute_kernels.kv_rope_insert(
-            kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, fp8_scale, kv_mxfp8
+    expect_arg(kv, "kv", (torch.bfloat16,), 2, ALIGN["kv"], sizes={1: HEAD_DIM},
+               contiguous=True)
+    device = kv.device
+
+    expect_arg(k_cache, "k_cache", CACHE_DTYPES, 3, ALIGN["k_cache"], device, "kv")
+    mxfp8 = expect_bool(kv_mxfp8, "kv_mxfp8")
+    fmt = cache_format(k_cache.dtype, mxfp8)
+    expect_positive_int(block_size, "block_size")
+    expect_size(k_cache, "k_cache", 1, block_size)
+    if k_cache.shape[2] != fmt.record_width:
+        fail(
+            "k_cache",
+            f"record width {fmt.record_width} for a {k_cache.dtype} cache"
+            + (f" (kv_mxfp8={mxfp8})" if fmt.packed else ""),
+            f"shape {tuple(k_cache.shape)}",
         )
-    else:  # eager: skip the dispatcher's per-call overhead
-        _kv_rope_insert_op(
-            kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, fp8_scale, kv_mxfp8
-        )
+    expect_paged_cache_strides(k_cache, "k_cache", block_size, fmt.record_width, fmt.packed,
+                               ALIGN["k_cache"])
+
+    expect_index(slot_mapping, "slot_mapping", torch.int64, device, "kv")
+    if slot_mapping.shape[0] > kv.shape[0]:
+        fail("slot_mapping", f"at most {kv.shape[0]} entries (kv rows)", slot_mapping.shape[0])
+    expect_index(positions, "positions", torch.int64, device, "kv", kv.shape[0],
+                 "one per kv row")
+
+    expect_arg(cos_sin_cache, "cos_sin_cache", (torch.float32,), 2, ALIGN["cos_sin_cache"],
+               device, "kv", sizes={1: ROPE_DIM}, contiguous=True)
+
+    if fmt is CacheFormat.FP8:
+        expect_fp8_scale(fp8_scale, device, "kv", ALIGN["fp8_scale"])
+
+    arch = arch_for(device)
+    return KvRopeInsertKey(fmt, arch) if arch is not None else None
 
 
-__all__ = [
-    "SUPPORTED_ARCHS",
-    "CacheFormat",
-    "KvInsertKey",
-    "KvRopeInsert",
-    "LayoutError",
-    "check_kv_rope_insert",
-    "kv_rope_insert",
-]
+check_kv_rope_insert = kv_rope_insert.check
+
+__all__ = ["KvRopeInsertKey", "KvRopeInsert", "check_kv_rope_insert", "kv_rope_insert"]

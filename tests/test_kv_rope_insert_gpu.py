@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kv_insert_cases import FORMATS, make_case
 
 import cute_kernels
 from cute_kernels import reference
+from cute_kernels.layouts import CacheFormat
+from cute_kernels.testing import kv_rope_insert_case as make_case
+
+FORMATS = [f.value for f in CacheFormat]
 
 pytestmark = pytest.mark.gpu
 

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import cute_kernels
+from cute_kernels import reference
+from cute_kernels.testing import compress_c128_case
 
-from c128_cases import make_case  # noqa: E402
-
-import cute_kernels  # noqa: E402
-from cute_kernels import reference  # noqa: E402
-
-from .timing import Timer, baseline_error  # noqa: E402
+from .timing import Timer, baseline_error
 
 KV_BLOCK_SIZE = 2
 # (label, tokens, boundary_every): "all" = every token on a boundary, "mix" = one in 128
@@ -34,7 +28,7 @@ def run(timer: Timer, ceiling: float, baselines: bool = True, **_) -> list[dict]
     rows = []
     compiled_ref = torch.compile(reference.compress_c128, dynamic=True)
     for label, tokens, every in CASES:
-        case = make_case("packed584", tokens, KV_BLOCK_SIZE, "cuda", seed=tokens,
+        case = compress_c128_case("v4_packed", tokens, KV_BLOCK_SIZE, "cuda", seed=tokens,
                          boundary_every=every, negative_slots=False, distinct_windows=True)
         args = case.args()
         ref_backing, ref_cache = case.fresh_cache()

@@ -1,0 +1,378 @@
+"""Test inputs and comparisons for the kernels, for this package's tests, ``perf/`` and users'
+own tests: seeded, never zeros, poisoned outputs, padded and permuted layouts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .layouts import HEAD_DIM, CacheFormat
+from .reference import stacked_kv_slots
+
+#: Every byte of a fresh output backing (0xA5A5 is a finite bf16, ~ -2.9e-16).
+POISON = 0xA5
+
+# -- kv_rope_insert ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class KvRopeInsertCase:
+    kv: torch.Tensor
+    k_cache: torch.Tensor
+    backing: torch.Tensor  # the whole allocation behind k_cache, padding included
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    block_size: int
+    fp8_scale: torch.Tensor | None
+    kv_mxfp8: bool
+
+    def args(self, k_cache: torch.Tensor | None = None) -> tuple:
+        return (self.kv, self.k_cache if k_cache is None else k_cache, self.slot_mapping,
+                self.positions, self.cos_sin_cache, self.block_size, self.fp8_scale,
+                self.kv_mxfp8)
+
+    def poison(self) -> None:
+        self.backing.view(torch.uint8).fill_(POISON)
+
+    def twin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A second backing with the same strides (for the reference), and its cache view."""
+        backing = self.backing.clone()
+        return backing, backing.as_strided(self.k_cache.shape, self.k_cache.stride())
+
+
+def kv_page_stride(block_size: int, width: int) -> int:
+    """vLLM's test padding: whole 576-element units plus one more (always some page padding)."""
+    return -(-block_size * width // 576) * 576 + 576
+
+
+def kv_rope_insert_case(
+    fmt: CacheFormat | str, num_slots: int, block_size: int, device: str | torch.device,
+    extra_rows: int = 3, seed: int = 42, kv_rows: int | None = None,
+    max_pos: int | None = None, positions_base: int = 7, skip_every: int = 5,
+    slot_pattern: str = "random",
+) -> KvRopeInsertCase:
+    """Inputs in the layout vLLM's own regression test uses: padded ``as_strided`` pages,
+    poison, random scattered slots with every ``skip_every``-th one -1, and ``kv`` rows beyond
+    the slots (DP padding). ``slot_pattern``: "random" scatters every slot (the regression-test
+    layout); "paged" is what a paged allocator gives a prefill: pages in random order, slots
+    consecutive inside; "decode" is one random slot per request, as a decode step writes."""
+    fmt = CacheFormat(fmt)
+    dtype, mxfp8, width = fmt.dtype, fmt is CacheFormat.V41_MXFP8, fmt.record_width
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    rows = kv_rows if kv_rows is not None else num_slots + extra_rows
+    num_blocks = max(1, -(-(num_slots + 7) // block_size))
+    if slot_pattern == "decode":  # every slot in a page of its own
+        num_blocks = num_slots + 1
+    stride = kv_page_stride(block_size, width)
+    backing = torch.empty(num_blocks * stride, dtype=dtype, device=device)
+    backing.view(torch.uint8).fill_(POISON)
+    k_cache = backing.as_strided((num_blocks, block_size, width), (stride, width, 1))
+    kv = torch.randn(rows, HEAD_DIM, generator=gen).to(torch.bfloat16).to(device)
+    positions = (torch.arange(rows) + positions_base).to(device)
+    angles = torch.randn(max_pos or rows + positions_base + 16, 32, generator=gen)
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1).to(device)
+    if slot_pattern == "random":
+        slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_slots]
+    elif slot_pattern == "decode":
+        pages = torch.randperm(num_blocks, generator=gen)[:num_slots]
+        slots = pages * block_size + torch.randint(0, block_size, (num_slots,), generator=gen)
+    else:
+        pages = torch.randperm(num_blocks, generator=gen)
+        t = torch.arange(num_slots)
+        slots = pages[t // block_size] * block_size + t % block_size
+    if skip_every:
+        slots[::skip_every] = -1
+    scale = torch.tensor([0.7], device=device) if fmt is CacheFormat.FP8 else None
+    return KvRopeInsertCase(kv, k_cache, backing, slots.to(device), positions, cos_sin,
+                            block_size, scale, mxfp8)
+
+
+# -- compress_c128 -------------------------------------------------------------------------------
+
+
+STATE_PAGE_STRIDE = 8208  # floats: a padded page (8 x 1024 + 16)
+
+
+@dataclasses.dataclass
+class CompressC128Case:
+    state_cache: torch.Tensor
+    block_table: torch.Tensor
+    token_to_req: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    norm_weight: torch.Tensor
+    eps: float
+    cos_sin_cache: torch.Tensor
+    k_cache: torch.Tensor
+    backing: torch.Tensor
+    kv_slot_mapping: torch.Tensor
+    kv_block_size: int
+    fp8_scale: torch.Tensor | None
+
+    def args(self, k_cache: torch.Tensor | None = None) -> tuple:
+        return (self.state_cache, self.block_table, self.token_to_req, self.positions,
+                self.slot_mapping, self.norm_weight, self.eps, self.cos_sin_cache,
+                self.k_cache if k_cache is None else k_cache, self.kv_slot_mapping,
+                self.kv_block_size, self.fp8_scale)
+
+    def fresh_cache(self, poison: int = POISON) -> tuple[torch.Tensor, torch.Tensor]:
+        backing = torch.empty_like(self.backing)
+        backing.view(torch.uint8).fill_(poison)
+        return backing, backing.as_strided(self.k_cache.shape, self.k_cache.stride())
+
+    @property
+    def boundary(self) -> torch.Tensor:
+        return ((self.slot_mapping >= 0) & (self.kv_slot_mapping >= 0)
+                & ((self.positions + 1) % 128 == 0))
+
+
+def c128_page_stride(fmt: CacheFormat, kv_block_size: int) -> int:
+    """In cache elements: vLLM's packed page (round up to 576 bytes), else one spare row."""
+    if fmt.packed:
+        return -(-kv_block_size * fmt.record_width // 576) * 576
+    return (kv_block_size + 1) * HEAD_DIM
+
+
+def compress_c128_case(
+    fmt: CacheFormat | str, num_tokens: int, kv_block_size: int, device, *, seed: int = 0,
+    boundary_every: int | None = 3, num_requests: int = 4, windows: int = 8,
+    negative_slots: bool = True, norm_dtype=torch.bfloat16,
+    page_stride: int = STATE_PAGE_STRIDE, distinct_windows: bool = False,
+) -> CompressC128Case:
+    """Permuted state pages with a padded page stride, boundary and non-boundary tokens,
+    negative slots, a poisoned paged cache. ``boundary_every``: every n-th token sits on a
+    boundary (None: every token; 0: none). ``distinct_windows``: token t reads its own window
+    (request t % R, window t // R), so no two tokens share state rows (honest bandwidth in the
+    benchmark)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    t = torch.arange(num_tokens, device=device)
+    if distinct_windows:
+        windows = -(-num_tokens // num_requests)
+        token_to_req = (t % num_requests).to(torch.int32)
+        window = t // num_requests
+    else:
+        token_to_req = torch.randint(0, num_requests, (num_tokens,), generator=gen,
+                                     device=device, dtype=torch.int32)
+        window = torch.randint(0, windows, (num_tokens,), generator=gen, device=device)
+    pages_per_req = windows * 16
+    num_pages = num_requests * pages_per_req + 3
+    state = torch.empty(num_pages * page_stride, device=device).as_strided(
+        (num_pages, 8, 1024), (page_stride, 1024, 1))
+    state.normal_(generator=gen)
+    state[..., 512:] *= 3.0  # a peaked softmax
+    block_table = torch.randperm(num_pages, generator=gen, device=device)
+    block_table = block_table[: num_requests * pages_per_req]
+    block_table = block_table.reshape(num_requests, pages_per_req).to(torch.int32)
+    positions = window * 128 + torch.randint(0, 127, (num_tokens,), generator=gen, device=device)
+    if boundary_every is None:
+        on_boundary = torch.ones_like(t, dtype=torch.bool)
+    elif boundary_every == 0:
+        on_boundary = torch.zeros_like(t, dtype=torch.bool)
+    else:
+        on_boundary = t % boundary_every == boundary_every - 1
+    positions = torch.where(on_boundary, window * 128 + 127, positions)
+    slot_mapping = t.clone()
+    fmt = CacheFormat(fmt)
+    dtype, width = fmt.dtype, fmt.record_width
+    num_kv_blocks = -(-num_tokens // kv_block_size) + 2
+    kv_slots = torch.randperm(num_kv_blocks * kv_block_size, generator=gen, device=device)
+    kv_slots = kv_slots[:num_tokens].clone()
+    if negative_slots:
+        slot_mapping[t % 7 == 3] = -1
+        kv_slots[t % 11 == 5] = -1
+    stride = c128_page_stride(fmt, kv_block_size)
+    backing = torch.empty(num_kv_blocks * stride, dtype=dtype, device=device)
+    backing.view(torch.uint8).fill_(POISON)
+    k_cache = backing.as_strided((num_kv_blocks, kv_block_size, width), (stride, width, 1))
+    angles = torch.rand(windows * 128 + 16, 32, generator=gen, device=device) * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1)
+    norm_weight = (1 + 0.25 * torch.randn(HEAD_DIM, generator=gen, device=device)).to(norm_dtype)
+    scale = torch.tensor([0.05], device=device) if fmt is CacheFormat.FP8 else None
+    return CompressC128Case(state, block_table, token_to_req, positions, slot_mapping,
+                            norm_weight, 1e-6, cos_sin, k_cache, backing, kv_slots,
+                            kv_block_size, scale)
+
+
+# -- stacked_kv_proj ------------------------------------------------------------------------------
+
+
+ROPE_THETA = 1e6
+
+
+def rope_table(max_pos: int, head_dim: int, theta: float = ROPE_THETA) -> torch.Tensor:
+    """fp32 [max_pos, D]: cos of the D/2 frequencies, then their sin (NeoX layout)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cat([angles.cos(), angles.sin()], dim=1).float()
+
+
+def commit_width(tokens: int) -> int:
+    """A request width W dividing T (7/8 as in DSpark verify blocks; T itself otherwise)."""
+    for w in (8, 7):
+        if tokens % w == 0:
+            return w
+    return tokens
+
+
+@dataclasses.dataclass
+class StackedKvProjCase:
+    ctx_hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    k_norm_weight: torch.Tensor
+    eps: float
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    cache_loc: torch.Tensor
+    k_caches: list[torch.Tensor]
+    v_caches: list[torch.Tensor]
+    k_backings: list[torch.Tensor]  # whole allocations behind the caches, padding included
+    v_backings: list[torch.Tensor]
+    cache_loc_2d: torch.Tensor | None
+    commit_lens: torch.Tensor | None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k_caches)
+
+    def args(self, k_caches=None, v_caches=None) -> tuple:
+        return (self.ctx_hidden, self.weight, self.bias, self.k_norm_weight, self.eps,
+                self.positions, self.cos_sin_cache, self.cache_loc,
+                self.k_caches if k_caches is None else k_caches,
+                self.v_caches if v_caches is None else v_caches,
+                self.cache_loc_2d, self.commit_lens)
+
+    def poison(self) -> None:
+        for b in (*self.k_backings, *self.v_backings):
+            b.view(torch.uint8).fill_(POISON)
+
+    def twin(self) -> tuple[list, list, list, list]:
+        """Copies of the backings with the same strides (for the reference), and their views:
+        (k_backings, v_backings, k_caches, v_caches)."""
+        kb = [b.clone() for b in self.k_backings]
+        vb = [b.clone() for b in self.v_backings]
+        kc = [b.as_strided(c.shape, c.stride()) for b, c in zip(kb, self.k_caches, strict=True)]
+        vc = [b.as_strided(c.shape, c.stride()) for b, c in zip(vb, self.v_caches, strict=True)]
+        return kb, vb, kc, vc
+
+    def written_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows that write, their slots), from the documented rules."""
+        return stacked_kv_slots(self.cache_loc, self.cache_loc_2d, self.commit_lens)
+
+
+def stacked_kv_proj_case(
+    tokens: int,
+    hidden: int = 256,
+    num_layers: int = 2,
+    n_kv: int = 2,
+    head_dim: int = 128,
+    device: str | torch.device = "cpu",
+    *,
+    bias: bool = False,
+    commit: bool = False,
+    row_pad: int = 0,
+    norm_dtype: torch.dtype = torch.float32,
+    skip_every: int = 5,
+    extra_slots: int = 16,
+    max_pos: int = 4096,
+    eps: float = 1e-6,
+    seed: int = 0,
+) -> StackedKvProjCase:
+    """Per-layer caches with padded row strides and poison fill, scattered slots with every
+    ``skip_every``-th one -1, optional bias, ``cache_loc_2d`` / ``commit_lens`` rows, distinct
+    per-layer k-norm weights (a wrong layer or a wrong slice fails), and a real NeoX cos/sin
+    table. ``row_pad`` extra elements per cache row (a multiple of 8 keeps rows 16-byte aligned)."""
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(seed)  # generate where the data lives
+    kv = n_kv * head_dim
+    rows = num_layers * 2 * kv
+    x = torch.randn(tokens, hidden, generator=gen, device=dev).to(torch.bfloat16)
+    w = (torch.randn(rows, hidden, generator=gen, device=dev) / hidden ** 0.5).to(torch.bfloat16)
+    b = None
+    if bias:
+        b = (0.5 * torch.randn(rows, generator=gen, device=dev)).to(torch.bfloat16)
+    norm_w = 1.0 + 0.25 * torch.randn(num_layers, head_dim, generator=gen, device=dev)
+    norm_w = norm_w.to(norm_dtype)
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen, device=dev)
+    slots = tokens + extra_slots
+    loc = torch.randperm(slots, generator=gen, device=dev)[:tokens]
+    if skip_every:
+        loc[::skip_every] = -1
+    loc_2d = lens = None
+    if commit:
+        width = commit_width(tokens)
+        bs = tokens // width
+        loc_2d = loc.reshape(bs, width).clone()
+        lens = torch.randint(0, width + 1, (bs,), generator=gen, device=dev).to(torch.int32)
+        lens[0] = width  # at least one full request
+        loc = torch.full_like(loc, -1)  # replaced by cache_loc_2d: must be ignored
+
+    stride0 = kv + row_pad
+
+    def cache() -> tuple[torch.Tensor, torch.Tensor]:
+        backing = torch.empty(slots * stride0, dtype=torch.bfloat16, device=device)
+        backing.view(torch.uint8).fill_(POISON)
+        return backing, backing.as_strided((slots, n_kv, head_dim), (stride0, head_dim, 1))
+
+    ks = [cache() for _ in range(num_layers)]
+    vs = [cache() for _ in range(num_layers)]
+    return StackedKvProjCase(
+        ctx_hidden=x, weight=w, bias=b, k_norm_weight=norm_w, eps=eps, positions=positions,
+        cos_sin_cache=rope_table(max_pos, head_dim).to(dev), cache_loc=loc,
+        k_caches=[c for _, c in ks], v_caches=[c for _, c in vs],
+        k_backings=[b for b, _ in ks], v_backings=[b for b, _ in vs],
+        cache_loc_2d=loc_2d, commit_lens=lens,
+    )
+
+
+def ulp_distance(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 ulps (steps between representable values; +0 and -0 are equal)."""
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        bits = t.contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return (ordered(got) - ordered(want)).abs()
+
+
+@dataclasses.dataclass
+class Comparison:
+    within_one_ulp: float  # fraction of written K/V elements within 1 bf16 ulp
+    max_ulp: int
+    untouched_equal: bool  # every element of every row not written still holds the poison
+    elements: int = 0  # written K/V elements compared
+
+    @property
+    def exact_enough(self) -> bool:
+        return self.within_one_ulp >= 0.999 and self.untouched_equal
+
+
+def compare_stacked(case: StackedKvProjCase, ref_k: list[torch.Tensor], ref_v: list[torch.Tensor],
+            assert_close: bool = True) -> Comparison:
+    """Kernel caches (``case``) against reference caches (same strides). Written rows: ulp
+    statistics and ``assert_close(rtol=atol=2e-2)``; every other row (and the row padding)
+    must still be poison."""
+    _, slots = case.written_rows()
+    near = total = 0
+    max_ulp = 0
+    untouched = True
+    for got_c, want_c, got_b in zip((*case.k_caches, *case.v_caches), (*ref_k, *ref_v),
+                                    (*case.k_backings, *case.v_backings), strict=True):
+        got, want = got_c[slots], want_c[slots]
+        if slots.numel():
+            d = ulp_distance(got, want)
+            near += int((d <= 1).sum())
+            total += d.numel()
+            max_ulp = max(max_ulp, int(d.max()))
+            if assert_close:
+                torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+        mask = torch.ones(got_b.numel(), dtype=torch.bool, device=got_b.device)
+        stride0 = got_c.stride(0)
+        width = got_c.shape[1] * got_c.shape[2]
+        cols = torch.arange(width, device=got_b.device)
+        mask[(slots[:, None] * stride0 + cols[None, :]).reshape(-1)] = False
+        untouched &= bool((got_b.view(torch.uint8).view(-1, 2)[mask] == POISON).all())
+    frac = near / total if total else 1.0
+    return Comparison(frac, max_ulp, untouched, total)
