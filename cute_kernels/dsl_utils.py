@@ -257,3 +257,46 @@ def load_peer_f32(smem_addr: Int32, peer_rank: Int32) -> Float32:
         has_side_effects=True,
     )
     return Float32(value)
+
+
+# -- cross-CTA hand-over through global memory (stream-K partials) -------------------------------
+
+
+def store_f32x2(addr: Int64, lo: Float32, hi: Float32) -> None:
+    """Two fp32 at an 8-byte aligned byte address, one store."""
+    cute.arch.inline_ptx(
+        "st.global.v2.f32 [{$r0}], {{$r1}, {$r2}};", read_only_args=[addr, lo, hi]
+    )
+
+
+def load_f32x2_l2(addr: Int64) -> tuple:
+    """Two fp32 from an 8-byte aligned byte address, through L2 only (``.cg``): the data was
+    written by another SM during this launch, which this SM's L1 would not see."""
+    return cute.arch.inline_ptx(
+        "ld.global.cg.v2.f32 {{$w0}, {$w1}}, [{$r0}];",
+        write_only_types=[Float32, Float32],
+        read_only_args=[addr],
+    )
+
+
+def atomic_add_release(addr: Int64, value: Int32) -> Int32:
+    """``atomicAdd`` at gpu scope after a release fence; returns the old value. Every store
+    this thread made (and, through a preceding CTA barrier, its CTA made) is visible to any
+    thread that observes the new value with :func:`load_acquire`."""
+    return cute.arch.inline_ptx(
+        "fence.acq_rel.gpu; atom.relaxed.gpu.global.add.s32 {$w0}, [{$r0}], {$r1};",
+        write_only_types=[Int32],
+        read_only_args=[addr, value],
+    )
+
+
+def load_acquire(addr: Int64) -> Int32:
+    """An int32 at gpu scope with acquire semantics (later loads see what the releaser saw)."""
+    return cute.arch.inline_ptx(
+        "ld.acquire.gpu.global.b32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[addr]
+    )
+
+
+def store_relaxed(addr: Int64, value: Int32) -> None:
+    """An int32 store at gpu scope (no ordering)."""
+    cute.arch.inline_ptx("st.relaxed.gpu.global.b32 [{$r0}], {$r1};", read_only_args=[addr, value])

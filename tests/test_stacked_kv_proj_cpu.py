@@ -4,12 +4,21 @@ tensors, one test each, LayoutError naming the argument)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from cute_kernels import LayoutError, check_stacked_kv_proj, stacked_kv_proj
 from cute_kernels import reference as ref
-from cute_kernels.stacked_kv_proj.plan import StackedLayout, StackedPlan, choose_plan, choose_tile
+from cute_kernels.stacked_kv_proj.plan import (
+    StackedLayout,
+    StackedPlan,
+    StackedVariant,
+    choose_plan,
+    choose_tile,
+    schedule,
+)
 from cute_kernels.testing import POISON, ulp_distance
 from cute_kernels.testing import compare_stacked as compare
 from cute_kernels.testing import stacked_kv_proj_case as make_case
@@ -376,6 +385,12 @@ OVERRIDE_REJECTIONS = {  # name -> (environment, fragments)
                                    CUTE_KERNELS_STACKED_TILE="m128w"),
                               ("CUTE_KERNELS_STACKED_TILE", "mma core")),
     "unsupported_arch": (dict(CUTE_KERNELS_ARCH="sm_80"), ("arch", "sm_90a")),
+    "unknown_schedule": (dict(CUTE_KERNELS_ARCH="sm_90a", CUTE_KERNELS_STACKED_SCHEDULE="sk"),
+                         ("CUTE_KERNELS_STACKED_SCHEDULE", "streamk")),
+    "ctas_not_a_number": (dict(CUTE_KERNELS_ARCH="sm_90a", CUTE_KERNELS_STACKED_CTAS="many"),
+                          ("CUTE_KERNELS_STACKED_CTAS", "positive integer")),
+    "ctas_zero": (dict(CUTE_KERNELS_ARCH="sm_90a", CUTE_KERNELS_STACKED_CTAS="0"),
+                  ("CUTE_KERNELS_STACKED_CTAS", "positive integer")),
 }
 
 
@@ -409,13 +424,54 @@ def test_tile_choice_counts_the_layouts_tiles(monkeypatch):
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_layout_on_meta_with_arch_override(arch, monkeypatch):
-    """Validation finds the layout; the plan (core, tile) is chosen at the launch, from T and
-    the SM count of the GPU the tensors are on."""
+    """Validation finds the layout; the plan (core, tile, schedule) is chosen at the launch,
+    from T, H and the resident CTA count of the GPU the tensors are on."""
     monkeypatch.setenv("CUTE_KERNELS_ARCH", arch)
     layout = stacked_kv_proj.validate(*_args("meta").values())
     assert layout == StackedLayout(2, 2, 128, False, False, "float32", arch)
-    plan = choose_plan(layout, 16, 132)
-    assert plan == StackedPlan("wgmma" if arch == "sm_90a" else "mma", "m64")
+    plan = choose_plan(layout, 16, 4096, 132)
+    if arch == "sm_90a":  # 8 tiles of 64 k-tiles: stream-K, at most 16 CTAs per tile
+        assert plan == StackedPlan(StackedVariant("wgmma", "m64"), True, 120, 0)
+    else:  # the mma core has one CTA per tile
+        assert plan == StackedPlan(StackedVariant("mma", "m64"), False, 8, 8)
+
+
+@pytest.mark.parametrize(("tiles", "k_tiles", "ctas", "stream_k", "expected"), [
+    (80, 64, 132, True, (132, 0)),  # fewer tiles than CTAs: all stream-K
+    (10, 64, 132, True, (132, 0)),  # TP 8: each tile split ~13 ways
+    (2, 2, 132, True, (4, 0)),  # fewer k-iterations than CTAs: one CTA per k-tile
+    (2, 64, 132, True, (30, 0)),  # at most 16 CTAs meet a tile (15 ranges each)
+    (640, 64, 132, True, (132, 396)),  # 4.85 waves: 3 data-parallel, 1.85 stream-K
+    (200, 64, 132, True, (132, 0)),  # 1.5 waves: all stream-K
+    (264, 64, 132, True, (132, 264)),  # whole waves: data-parallel only
+    (640, 64, 132, False, (132, 640)),
+    (10, 64, 132, False, (10, 10)),
+])
+def test_schedule(tiles, k_tiles, ctas, stream_k, expected):
+    assert schedule(tiles, k_tiles, ctas, stream_k) == expected
+
+
+DRAFTER_TP8 = StackedLayout(5, 1, 128, False, False, "float32", "sm_90a")  # 10 column tiles
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({}, (True, 132)),
+    ({"CUTE_KERNELS_STACKED_SCHEDULE": "dp"}, (False, 10)),
+    ({"CUTE_KERNELS_STACKED_SCHEDULE": "streamk", "CUTE_KERNELS_STACKED_CTAS": "7"},
+     (True, 7)),
+])
+def test_plan_overrides(env, expected, monkeypatch):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    plan = choose_plan(DRAFTER_TP8, 1, 4096, 132)
+    assert (plan.stream_k, plan.grid) == expected
+
+
+def test_mma_core_is_data_parallel(monkeypatch):
+    monkeypatch.setenv("CUTE_KERNELS_STACKED_SCHEDULE", "streamk")
+    layout = dataclasses.replace(DRAFTER_TP8, arch="sm_100a")
+    assert choose_plan(layout, 1, 4096, 148) == StackedPlan(StackedVariant("mma", "m64"),
+                                                            False, 10, 10)
 
 
 def test_kernel_entry_requires_cuda():

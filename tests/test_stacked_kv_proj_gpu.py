@@ -23,7 +23,14 @@ import torch
 
 import cute_kernels
 from cute_kernels import reference, stacked_kv_proj
-from cute_kernels.stacked_kv_proj.plan import IMPL_ENV, TILE_ENV, TILES, tiles_for
+from cute_kernels.stacked_kv_proj.plan import (
+    CTAS_ENV,
+    IMPL_ENV,
+    SCHEDULE_ENV,
+    TILE_ENV,
+    TILES,
+    tiles_for,
+)
 from cute_kernels.testing import compare_stacked as compare
 from cute_kernels.testing import stacked_kv_proj_case as make_case
 
@@ -149,14 +156,61 @@ def test_short_hidden(impl):
     _check(case)
 
 
+STREAM_K_CASES = [  # (tokens, H, L, n_kv, D, tile, CTA cap)
+    (1, 4096, 5, 1, 128, "auto", None),  # a TP-8 decode step: 10 tiles over every SM
+    (64, 4096, 5, 1, 128, "auto", None),  # ~13 contributors per tile, 64 rows to share
+    (7, 2560, 1, 1, 256, "auto", 7),  # n_kv 1, D 256, L 1: 2 tiles of 40 k-tiles over 7 CTAs
+    (33, 448, 2, 2, 128, "auto", 5),  # H 448: 7 k-tiles, 56 iterations over 5 CTAs
+    (100, 128, 2, 2, 128, "auto", None),  # 2 k-tiles: fewer k-tiles than the split
+    (257, 2560, 5, 8, 128, "auto", None),
+    (1000, 2560, 2, 2, 128, "m128", 13),  # 64 tiles on 13 CTAs: 39 data-parallel, 25 split
+    (300, 2560, 2, 4, 64, "m128w", 11),  # four D = 64 heads in a wide tile, split
+]
+
+
+@pytest.mark.parametrize("case_args", STREAM_K_CASES, ids=str)
+def test_stream_k(case_args, monkeypatch):
+    """The stream-K schedule forced on small and odd layouts and splits: the partials of
+    every tile reduced in order, each row finished once, skipped rows untouched."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the stream-K schedule is the wgmma core's (sm_90a)")
+    tokens, hidden, layers, n_kv, head_dim, tile, ctas = case_args
+    monkeypatch.setenv(IMPL_ENV, "wgmma")
+    monkeypatch.setenv(SCHEDULE_ENV, "streamk")
+    monkeypatch.setenv(TILE_ENV, tile)
+    if ctas is not None:
+        monkeypatch.setenv(CTAS_ENV, str(ctas))
+    case = make_case(tokens, hidden, layers, n_kv, head_dim, "cuda", bias=True,
+                     commit=tokens % 7 == 0, seed=tokens + hidden)
+    _check(case, rounds=3)
+
+
+@pytest.mark.parametrize("schedule", ["dp", "streamk"])
+def test_bitwise_deterministic(schedule, monkeypatch):
+    """Two runs on the same inputs give identical bytes (the stream-K sum has a fixed order)."""
+    monkeypatch.setenv(SCHEDULE_ENV, schedule)
+    case = make_case(64, 4096, 5, 1, 128, "cuda", seed=5)
+    results = []
+    for _ in range(3):
+        case.poison()
+        stacked_kv_proj(*case.args())
+        torch.cuda.synchronize()
+        results.append([b.clone() for b in (*case.k_backings, *case.v_backings)])
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True))
+
+
 def test_all_rows_skipped():
     case = make_case(64, 2560, 1, 1, 128, "cuda", seed=14)
     case.cache_loc.fill_(-1)
     _check(case, rounds=1)
 
 
+@pytest.mark.parametrize("schedule", ["dp", "streamk"])
 @pytest.mark.parametrize("tokens", [7, 257])
-def test_cuda_graph_replay_with_mutated_inputs(tokens, impl):
+def test_cuda_graph_replay_with_mutated_inputs(tokens, schedule, impl, monkeypatch):
+    """Replays of one captured call (stream-K: its counters return to zero each time)."""
+    monkeypatch.setenv(SCHEDULE_ENV, schedule)
     case = make_case(tokens, 2560, 5, 8, 128, "cuda", commit=True, bias=True, seed=21)
     stacked_kv_proj(*case.args())  # compile before capture
     torch.cuda.synchronize()

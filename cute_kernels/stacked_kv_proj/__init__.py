@@ -18,7 +18,7 @@ layer's K or V block and owns whole heads. The modules:
 """
 
 from .interface import StackedKvProjKey, check_stacked_kv_proj, stacked_kv_proj
-from .plan import StackedLayout, StackedPlan
+from .plan import StackedLayout, StackedPlan, StackedVariant
 
-__all__ = ["StackedKvProjKey", "StackedLayout", "StackedPlan", "check_stacked_kv_proj",
-           "stacked_kv_proj"]
+__all__ = ["StackedKvProjKey", "StackedLayout", "StackedPlan", "StackedVariant",
+           "check_stacked_kv_proj", "stacked_kv_proj"]

@@ -38,12 +38,13 @@ from .plan import (
     TILES,
     StackedLayout,
     StackedPlan,
+    StackedVariant,
     check_overrides,
     choose_plan,
     impls_for,
-    plans_for,
     tile_n,
     tiles_for,
+    variants_for,
 )
 from .wgmma import StackedKvProjWgmma
 
@@ -62,11 +63,12 @@ ROW_STRIDE_ELEMS = VECTOR_BYTES // 2  # bf16 row strides are multiples of 8 elem
 
 @dataclasses.dataclass(frozen=True)
 class StackedKvProjKey:
-    """Everything that changes the generated code: the layout and the plan. T, H, the slot
-    counts, the cos/sin table length, the cache row strides, W and eps are runtime values."""
+    """Everything that changes the generated code: the layout and the variant (core, tile).
+    T, H, the slot counts, the cos/sin table length, the cache row strides, W, eps and the
+    wgmma core's schedule (grid, data-parallel / stream-K split) are runtime values."""
 
     layout: StackedLayout
-    plan: StackedPlan
+    variant: StackedVariant
 
     @property
     def arch(self) -> str:
@@ -75,7 +77,7 @@ class StackedKvProjKey:
 
 def _build(key: StackedKvProjKey):
     """Tensor-free compile: T, H, slots, max_pos, bs and the cache row strides are symbolic."""
-    layout, plan = key.layout, key.plan
+    layout, plan = key.layout, key.variant
     if plan.impl not in impls_for(layout.arch):
         raise LayoutError(f"impl: expected one of {impls_for(layout.arch)} for "
                           f"{layout.arch}, got {plan.impl}")
@@ -109,20 +111,23 @@ def _build(key: StackedKvProjKey):
     v_caches = tuple(cache("v_caches") for _ in range(layout.num_layers))
     kernel = CORES[plan.impl](layout.num_layers, layout.n_kv, d, layout.has_bias,
                               layout.has_commit, norm_dtype, TILES[plan.tile])
-    grid = (Int32(1),) if plan.impl == "wgmma" else ()  # the persistent grid's CTA cap
+    schedule = ()
+    if plan.impl == "wgmma":  # the stream-K workspace and counters, the grid, the DP tiles
+        schedule = (du.fake_row_major(Float32, (du.sym(),), align=WORKSPACE_ALIGN),
+                    du.fake_row_major(Int32, (du.sym(),), align=4), Int32(1), Int32(1))
     return du.compile_tvm_ffi(
         kernel, x, w, bias, norm_w, Float32(1e-6), pos, cos_sin, loc, commit, Int32(1),
-        k_caches, v_caches, *grid, du.env_stream(), arch=layout.arch,
+        k_caches, v_caches, *schedule, du.env_stream(), arch=layout.arch,
     )
 
 
 def _variants(arch: str) -> list[StackedKvProjKey]:
     """The drafter layout built up front: the Qwen3 DSpark/DFlash drafters at TP1 (5 layers,
     D = 128, 8 KV heads), fp32 stacked norm weight, no bias, with and without the commit-lens
-    rows, every plan the arch has. Other layouts compile on first use (~1 s)."""
+    rows, every variant the arch has. Other layouts compile on first use (~1 s)."""
     return [
-        StackedKvProjKey(StackedLayout(5, 8, 128, False, commit, "float32", arch), plan)
-        for plan in plans_for(arch)
+        StackedKvProjKey(StackedLayout(5, 8, 128, False, commit, "float32", arch), variant)
+        for variant in variants_for(arch)
         for commit in (False, True)
     ]
 
@@ -191,27 +196,70 @@ def _expect_rows(t: torch.Tensor, arg: str, inner: int) -> None:
 
 
 
-def _persistent_ctas(device: torch.device, plan: StackedPlan) -> int:
-    """CTA cap of the wgmma core's persistent grid: one CTA per SM (its ring fills the SMEM),
-    as many as the driver reports resident."""
-    warpgroups = 1 + TILES[plan.tile].bm // 64
-    return max_active_clusters(device_index(device), 1, 1, 128 * warpgroups)
+def _resident_ctas(device: torch.device) -> int:
+    """CTAs of the wgmma core the GPU runs at once: one per SM (the ring fills the SMEM), as
+    many as the driver reports resident for the largest CTA (3 warpgroups). The stream-K
+    schedule waits on other CTAs of its grid, so its grid must never exceed this."""
+    return max_active_clusters(device_index(device), 1, 1, 128 * 3)
+
+
+# Stream-K hand-over buffers, per (device, stream): a slot per CTA for its first and last
+# tile, and a counter per stream-K tile. Allocated on first use and kept (a CUDA graph
+# captures their addresses; the kernel returns the counters to zero), grown when a larger
+# tile or grid needs more: the old buffers stay alive for graphs that captured them. Calls on
+# different streams get different buffers, so they may run concurrently.
+WORKSPACE_ALIGN = 16
+_workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_retired: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def _workspace(device: torch.device, slot_floats: int, grid: int) -> tuple[torch.Tensor,
+                                                                          torch.Tensor]:
+    index = device_index(device)
+    key = (index, torch.cuda.current_stream(index).cuda_stream)
+    held = _workspaces.get(key)
+    floats, counters = 2 * grid * slot_floats, 2 * grid
+    if held is None or held[0].numel() < floats or held[1].numel() < counters:
+        if held is not None:
+            _retired.append(held)
+            floats = max(floats, held[0].numel())
+            counters = max(counters, held[1].numel())
+        held = (torch.empty(floats, dtype=torch.float32, device=device),
+                torch.zeros(counters, dtype=torch.int32, device=device))
+        _workspaces[key] = held
+    return held
+
+
+def _plan(layout: StackedLayout, ctx_hidden: torch.Tensor) -> StackedPlan:
+    device = ctx_hidden.device
+    resident = _resident_ctas(device) if layout.arch == "sm_90a" else sm_count(device)
+    return choose_plan(layout, ctx_hidden.shape[0], ctx_hidden.shape[1], resident)
+
+
+def plan_for_call(args: tuple) -> StackedPlan:
+    """The plan a call of :func:`stacked_kv_proj` with these (positional, CUDA) arguments
+    runs: what ``make perf`` reports next to each time."""
+    return _plan(stacked_kv_proj.validate(*args), args[0])
 
 
 def _launch(layout: StackedLayout, args: tuple) -> None:
     (ctx_hidden, weight, bias, k_norm_weight, eps, positions, cos_sin_cache, cache_loc,
      k_caches, v_caches, cache_loc_2d, commit_lens) = args
-    tokens = ctx_hidden.shape[0]
-    if tokens == 0:
+    if ctx_hidden.shape[0] == 0:
         return
     device = ctx_hidden.device
-    plan = choose_plan(layout, tokens, sm_count(device))
+    plan = _plan(layout, ctx_hidden)
     loc = cache_loc if cache_loc_2d is None else cache_loc_2d.reshape(-1)
     width = 1 if cache_loc_2d is None else cache_loc_2d.shape[1]
-    grid = () if plan.impl == "mma" else (_persistent_ctas(device, plan),)
-    KERNELS.get(StackedKvProjKey(layout, plan))(
+    schedule = ()
+    if plan.variant.impl == "wgmma":
+        tile = TILES[plan.variant.tile]
+        slot_floats = tile.bm * tile_n(layout.head_dim, layout.kv, tile.wide)
+        work, counters = _workspace(device, slot_floats, plan.grid)
+        schedule = (work, counters, plan.grid, plan.dp_tiles)
+    KERNELS.get(StackedKvProjKey(layout, plan.variant))(
         ctx_hidden, weight, bias, k_norm_weight, float(eps), positions, cos_sin_cache, loc,
-        commit_lens, width, tuple(k_caches), tuple(v_caches), *grid,
+        commit_lens, width, tuple(k_caches), tuple(v_caches), *schedule,
     )
 
 

@@ -1,8 +1,10 @@
 """Planning of a stacked KV projection call, apart from its validation and with no DSL import:
-which GEMM core, which CTA tile, for a validated layout, a token count and an SM count.
+which GEMM core, which CTA tile and which schedule (data-parallel or stream-K, and the grid),
+for a validated layout, a token count and the GPU's resident CTA count.
 
-A plan only picks among compiled variants (``StackedKvProjKey`` holds the layout and the plan),
-so one compile per (layout, plan) serves every token count.
+The core and the tile are a compiled variant (``StackedKvProjKey`` holds the layout and them);
+the schedule is a runtime argument of the wgmma core, so one compile per (layout, core, tile)
+serves every token count and every schedule.
 """
 
 from __future__ import annotations
@@ -10,12 +12,18 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from ..layouts import STACKED_K_TILE
 from ..validation import fail
 
 #: ``auto`` (default: wgmma on sm_90a, mma elsewhere), ``mma`` or ``wgmma`` (sm_90a only).
 IMPL_ENV = "CUTE_KERNELS_STACKED_IMPL"
 #: ``auto`` (default: by T, see :func:`choose_tile`) or a TILES name, to compare tiles.
 TILE_ENV = "CUTE_KERNELS_STACKED_TILE"
+#: ``auto`` (default, see :func:`choose_plan`), ``dp`` (data-parallel only) or ``streamk``.
+SCHEDULE_ENV = "CUTE_KERNELS_STACKED_SCHEDULE"
+SCHEDULES = ("auto", "dp", "streamk")
+#: A cap on the wgmma core's grid (default: the resident CTA count), to force odd splits.
+CTAS_ENV = "CUTE_KERNELS_STACKED_CTAS"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +67,21 @@ class StackedLayout:
 
 
 @dataclasses.dataclass(frozen=True)
-class StackedPlan:
+class StackedVariant:
+    """A compiled variant of a layout: the GEMM core and the CTA tile."""
+
     impl: str  # "wgmma" (TMA + wgmma, sm_90a only) | "mma" (cp.async + mma.sync, every arch)
     tile: str  # a TILES name
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedPlan:
+    """A call's plan: the variant, and the wgmma core's runtime schedule."""
+
+    variant: StackedVariant
+    stream_k: bool  # the tiles past dp_tiles are split over the grid along K
+    grid: int  # CTAs launched (mma core: one per tile)
+    dp_tiles: int  # tiles run data-parallel, a multiple of the grid (all of them without SK)
 
 
 def tiles_for(impl: str) -> tuple[str, ...]:
@@ -105,38 +125,111 @@ def forced_tile(impl: str) -> str | None:
     return wanted
 
 
+def forced_schedule() -> str:
+    """``CUTE_KERNELS_STACKED_SCHEDULE``, checked."""
+    wanted = os.environ.get(SCHEDULE_ENV, "auto")
+    if wanted not in SCHEDULES:
+        fail(SCHEDULE_ENV, f"one of {', '.join(SCHEDULES)}", repr(wanted))
+    return wanted
+
+
+def ctas_cap() -> int | None:
+    """``CUTE_KERNELS_STACKED_CTAS``, checked (None: no cap)."""
+    wanted = os.environ.get(CTAS_ENV)
+    if wanted is None:
+        return None
+    if not wanted.isdigit() or int(wanted) < 1:
+        fail(CTAS_ENV, "a positive integer", repr(wanted))
+    return int(wanted)
+
+
 def check_overrides(arch: str) -> None:
     """Raise :class:`LayoutError` for an override the calls on ``arch`` would reject."""
     forced_tile(choose_impl(arch))
+    forced_schedule()
+    ctas_cap()
+
+
+#: Most CTAs that share one stream-K tile: bounds the partials a reduction gathers into SMEM.
+MAX_CONTRIBUTORS = 16
+
+# When the default plan is stream-K (H200, 2026-12-01, cold, specs/stacked_kv_proj.md): at decode
+# sizes on layouts of few column tiles, where data-parallel CTAs each stream a long slice of the
+# weight (D = 256 with 4 tiles: 22 against 34 us; D = 64 with 12 tiles: 15 against 18). With
+# more tiles the reduction's fixed latency (partial store, release/acquire hand-over, gather,
+# an exposed epilogue) costs more than the extra SMs gain, and at T >= 256 and in the last
+# wave of large T the data-parallel waves measured faster in every layout tried.
+STREAM_K_MAX_TOKENS = 64
+STREAM_K_MAX_TILES = 12
+STREAM_K_TILE = "m64"
+
+
+def tile_count(tokens: int, layout: StackedLayout, tile: TileConfig) -> int:
+    return -(-tokens // tile.bm) * (layout.num_layers * 2 * layout.kv
+                                    // tile_n(layout.head_dim, layout.kv, tile.wide))
+
+
+def schedule(tiles: int, k_tiles: int, ctas: int, stream_k: bool) -> tuple[int, int]:
+    """(grid, dp_tiles) of ``tiles`` tiles of ``k_tiles`` k-tiles on ``ctas`` resident CTAs.
+
+    Data-parallel: one CTA per tile up to ``ctas``, striding. Stream-K: whole waves stay
+    data-parallel except the last full one, which joins the remainder so that every CTA gets
+    one to two tiles' worth of k-iterations (CUTLASS's "DP + SK" split); never more CTAs than
+    iterations."""
+    if not stream_k or tiles % ctas == 0:
+        return min(tiles, ctas), tiles
+    dp_tiles = (tiles // ctas - 1) * ctas if tiles >= 2 * ctas else 0
+    # A tile meets at most ceil(grid / sk_tiles) + 1 ranges: keep that within
+    # MAX_CONTRIBUTORS (binds only below 9 tiles, so never beside data-parallel waves).
+    sk_tiles = tiles - dp_tiles
+    return min(ctas, sk_tiles * min(k_tiles, MAX_CONTRIBUTORS - 1)), dp_tiles
+
+
+def estimate(tiles: int, ctas: int, tile: TileConfig) -> float:
+    """Time of a data-parallel schedule in units of one m128 tile: waves x cost."""
+    return -(-tiles // ctas) * tile.cost
 
 
 def choose_tile(tokens: int, impl: str, num_layers: int, n_kv: int, head_dim: int,
                 sms: int) -> str:
-    """The tile config for ``tokens`` rows of a layout on core ``impl`` with ``sms`` SMs
-    (``CUTE_KERNELS_STACKED_TILE`` overrides): the least ``waves x cost``, a wave being one
+    """The data-parallel tile for ``tokens`` rows of a layout on core ``impl`` with ``sms``
+    SMs (``CUTE_KERNELS_STACKED_TILE`` overrides): the least ``waves x cost``, a wave being one
     tile per SM and ``cost`` a tile's measured time relative to m128. The wave count is what
     makes m128 beat m128w at T = 512..1024 on the drafter layout (3 and 5 waves against 2 and
     3 of 1.75) and m64 lose to m128 at T = 128 (two waves of 64-row tiles, one of 128)."""
     forced = forced_tile(impl)
     if forced is not None:
         return forced
-    kv = n_kv * head_dim
-
-    def estimate(name: str) -> float:
-        tile = TILES[name]
-        tiles = -(-tokens // tile.bm) * (num_layers * 2 * kv // tile_n(head_dim, kv, tile.wide))
-        return -(-tiles // sms) * tile.cost
-
-    return min(tiles_for(impl), key=estimate)
+    layout = StackedLayout(num_layers, n_kv, head_dim, False, False, "float32", "")
+    return min(tiles_for(impl), key=lambda name: estimate(
+        tile_count(tokens, layout, TILES[name]), sms, TILES[name]))
 
 
-def choose_plan(layout: StackedLayout, tokens: int, sms: int) -> StackedPlan:
-    """The plan of a call of ``tokens`` rows on a GPU with ``sms`` SMs."""
+def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int) -> StackedPlan:
+    """The plan of a call of ``tokens`` rows and hidden size ``hidden`` on a GPU that holds
+    ``ctas`` CTAs of the wgmma core at once (one per SM): the data-parallel tile of least
+    estimated time, or stream-K where it measured faster (``STREAM_K_*``). Overrides:
+    ``CUTE_KERNELS_STACKED_{IMPL,TILE,SCHEDULE,CTAS}``. The mma core has no stream-K
+    schedule: one CTA per tile."""
     impl = choose_impl(layout.arch)
-    return StackedPlan(impl, choose_tile(tokens, impl, layout.num_layers, layout.n_kv,
-                                         layout.head_dim, sms))
+    cap = ctas_cap()
+    ctas = ctas if cap is None else min(ctas, cap)
+    tile = choose_tile(tokens, impl, layout.num_layers, layout.n_kv, layout.head_dim, ctas)
+    tiles = tile_count(tokens, layout, TILES[tile])
+    if impl == "mma":
+        return StackedPlan(StackedVariant(impl, tile), False, tiles, tiles)
+    wanted = forced_schedule()
+    stream_k = wanted == "streamk" or (
+        wanted == "auto" and tokens <= STREAM_K_MAX_TOKENS and tiles <= STREAM_K_MAX_TILES)
+    if stream_k and wanted == "auto":
+        tile = STREAM_K_TILE
+        tiles = tile_count(tokens, layout, TILES[tile])
+    grid, dp_tiles = schedule(tiles, hidden // STACKED_K_TILE, ctas, stream_k)
+    return StackedPlan(StackedVariant(impl, tile), stream_k, grid, dp_tiles)
 
 
-def plans_for(arch: str) -> list[StackedPlan]:
-    """Every plan a layout can get on ``arch`` (what :func:`cute_kernels.precompile` builds)."""
-    return [StackedPlan(impl, tile) for impl in impls_for(arch) for tile in tiles_for(impl)]
+def variants_for(arch: str) -> list[StackedVariant]:
+    """Every variant a layout can need on ``arch`` (what :func:`cute_kernels.precompile`
+    builds)."""
+    return [StackedVariant(impl, tile) for impl in impls_for(arch) for tile in tiles_for(impl)]
+

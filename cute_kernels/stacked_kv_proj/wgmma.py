@@ -1,5 +1,6 @@
 """sm_90a stacked KV projection core: a persistent, warp-specialised TMA + warpgroup ``wgmma``
-GEMM whose epilogue works on the accumulator registers."""
+GEMM whose epilogue works on the accumulator registers, with a data-parallel and a stream-K
+(split-K) part in one schedule."""
 
 from __future__ import annotations
 
@@ -12,25 +13,50 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 
 from .. import dsl_utils as du
 from .base import StackedKvProjBase, neox_rotate, r2
-from .plan import TileConfig
+from .plan import MAX_CONTRIBUTORS, TileConfig
+from .streamk import StreamK
 
 WGMMA_SMEM_BUDGET = 224 * 1024  # the TMA ring adds only its mbarriers
 # setmaxnreg split of the core's 64 K registers: the TMA warpgroup needs a handful, the MMA
 # warpgroups hold up to 128 fp32 accumulators each (m64n256) plus the epilogue's operands.
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
+CONSUMER_BARRIER = 1  # named barrier of the consumer warpgroups (0 is the CTA's)
+GATHER_PAD = 4  # floats of padding per gathered partial row
+ARRIVED_MASK = 0xFFFF  # low half of a tile counter: partials stored; high half: reductions done
+DONE_ONE = 1 << 16
+
+# What a consumer does with one unit of its work.
+FULL = 0  # all k-tiles of a tile: MMA, epilogue
+PARTIAL = 1  # a k-range of a stream-K tile: MMA, store the fp32 partial, arrive
+REDUCE = 2  # a row slice of a stream-K tile: wait for its partials, sum them in order, epilogue
 
 
 class StackedKvProjWgmma(StackedKvProjBase):
     """sm_90a core: persistent and warp-specialised.
 
     Warpgroup 0 is the producer: one thread issues the TMA loads of A and B k-tiles into an
-    mbarrier-guarded SMEM ring (``PipelineTmaAsync``), running ahead across tile boundaries, so
-    the next tile's first stages land while the consumers run the epilogue. Warpgroups 1.. are
+    mbarrier-guarded SMEM ring (``PipelineTmaAsync``), running ahead across work units, so the
+    next unit's first stages land while the consumers run the epilogue. Warpgroups 1.. are
     consumers, one per 64 rows of the tile: ``wgmma`` m64nBNk16 from SMEM, one commit group in
     flight. ``setmaxnreg`` moves registers from the producer to the consumers. Rows of
-    ``ctx_hidden`` beyond T are zero-filled by TMA. The CTAs stride over the tiles in the
-    grouped raster order.
+    ``ctx_hidden`` beyond T are zero-filled by TMA.
+
+    Schedule (both parts are runtime values, so one compile serves every plan). The first
+    ``dp_tiles`` tiles (a multiple of the grid) are data-parallel: CTA ``b`` takes tiles
+    ``b, b + G, ...`` in the grouped raster order. The remaining tiles are stream-K: their
+    ``tiles x k_tiles`` iterations are cut into ``G`` equal contiguous ranges, one per CTA, so
+    every SM streams the same share of the weight whatever the tile count. A range covers the
+    tail of one tile, whole tiles, and the head of another; a whole tile goes straight to the
+    epilogue, a part of a tile is a *partial*: its fp32 accumulators go to a workspace slot
+    (two per CTA: its first and its last tile) and the tile's counter is incremented with
+    release semantics. At the end, each of a tile's ``n`` contributors reduces one ``1/n``
+    slice of the tile's rows: it waits (acquire) until all ``n`` partials are stored, sums them
+    in contributor order (k order: a fixed order, so the result is bitwise the same run to
+    run) and runs the epilogue on its slice, so the per-head norm sees full sums. The last of
+    the ``n`` to finish resets the counter for the next launch (CUDA-graph replays included).
+    Waiting is safe because the launch is cooperative (all CTAs resident at once, never more
+    than the GPU holds) and a CTA only waits after all of its own stores.
 
     The epilogue works on the accumulator registers, with no SMEM round trip. In the wgmma
     fragment, thread ``(warp w, lane l)`` of a consumer warpgroup holds rows ``16w + l/4`` and
@@ -38,7 +64,9 @@ class StackedKvProjWgmma(StackedKvProjBase):
     the 4 lanes of a quad, and the NeoX partner ``d + D/2`` of a column is in the same thread
     (D/2 is a multiple of 8). So the sum of squares is an in-thread sum plus two quad shuffles,
     RoPE is register-local, and each thread stores 4-byte pairs (a quad writes 16 contiguous
-    bytes per ``j``; L2 merges the sectors of a cache row before they reach DRAM)."""
+    bytes per ``j``; L2 merges the sectors of a cache row before they reach DRAM). Partials are
+    stored in the fragment's own order (register pair-major, thread-minor), so a warp's stores
+    and loads of a register pair are 256 contiguous bytes."""
 
     def __init__(self, num_layers: int, n_kv: int, head_dim: int, has_bias: bool,
                  has_commit: bool, norm_dtype: type, tile: TileConfig) -> None:
@@ -46,7 +74,12 @@ class StackedKvProjWgmma(StackedKvProjBase):
         super().__init__(num_layers, n_kv, head_dim, has_bias, has_commit, norm_dtype, tile,
                          128 * (1 + self.consumer_warpgroups))
         self.stages = self.ring_stages(16, WGMMA_SMEM_BUDGET)
+        self.consumer_threads = 128 * self.consumer_warpgroups
         assert self.bm in (64, 128) and self.bn in (64, 128, 256)
+        # A reduction gathers at most rows + contributors - 1 <= bm + MAX - 1 partial rows.
+        self.gather_floats = (self.bm + MAX_CONTRIBUTORS - 1) * (self.bn + GATHER_PAD)
+        assert self.gather_floats * 4 <= self.stages * (self.bm + self.bn) * self.bk * 2, (
+            "the stream-K gather reuses the ring")
 
     @cute.jit
     def __call__(
@@ -63,7 +96,10 @@ class StackedKvProjWgmma(StackedKvProjBase):
         width: Int32,
         k_caches: tuple,
         v_caches: tuple,
-        max_ctas: Int32,
+        mWork: cute.Tensor,
+        mCount: cute.Tensor,
+        grid_ctas: Int32,
+        dp_tiles: Int32,
         stream: cuda.CUstream,
     ) -> None:
         k_major = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR  # both operands are [rows, H], H inner
@@ -94,14 +130,16 @@ class StackedKvProjWgmma(StackedKvProjBase):
             sB: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sB_layout)], 1024]
 
         self.shared_storage = SharedStorage
-        num_tiles = cute.ceil_div(mX.shape[0], self.bm) * self.num_n_tiles
         self.kernel(
             tma_a, tma_mA, tma_b, tma_mW, mBias, mNormW, eps, mPos, mCosSin, mLoc, mCommit,
-            width, k_caches, v_caches, sA_layout, sB_layout, tiled_mma,
+            width, k_caches, v_caches, mWork, mCount, dp_tiles, sA_layout, sB_layout, tiled_mma,
         ).launch(
-            grid=[cutlass.min(num_tiles, max_ctas), 1, 1],
+            grid=[grid_ctas, 1, 1],
             block=[self.threads, 1, 1],
             stream=stream,
+            # all CTAs resident together or none: a stream-K CTA waits for the partials of
+            # others, which must not be queued behind it (nor behind another such kernel)
+            cooperative=True,
         )
 
     @cute.kernel
@@ -121,6 +159,9 @@ class StackedKvProjWgmma(StackedKvProjBase):
         width: Int32,
         k_caches: tuple,
         v_caches: tuple,
+        mWork: cute.Tensor,
+        mCount: cute.Tensor,
+        dp_tiles: Int32,
         sA_layout: cute.ComposedLayout,
         sB_layout: cute.ComposedLayout,
         tiled_mma: cute.TiledMma,
@@ -133,8 +174,8 @@ class StackedKvProjWgmma(StackedKvProjBase):
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
         num_m_tiles = cute.ceil_div(mLoc.shape[0], self.bm)
-        num_tiles = num_m_tiles * self.num_n_tiles
         k_tiles = mA.shape[1] // self.bk
+        sk = StreamK((num_m_tiles * self.num_n_tiles - dp_tiles) * k_tiles, k_tiles, bid, grid)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -157,6 +198,11 @@ class StackedKvProjWgmma(StackedKvProjBase):
 
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        # The stream-K reductions come after a CTA's last load, when the ring is idle: its
+        # bytes (A then B, contiguous) hold the gathered partial rows, each padded by 16 bytes
+        # so the fragment reads (8 rows of a warp) spread over the banks.
+        sGather = cute.make_tensor(cute.recast_ptr(storage.sA.data_ptr(), dtype=Float32),
+                                   cute.make_layout(self.gather_floats))
         gA = cute.local_tile(mA, (self.bm, self.bk), (None, None))  # (bm, bk, m tiles, k tiles)
         gB = cute.local_tile(mB, (self.bn, self.bk), (None, None))
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
@@ -174,17 +220,20 @@ class StackedKvProjWgmma(StackedKvProjBase):
                 producer = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
-                for tile in cutlass.range(bid, num_tiles, grid, unroll=1):
+                # The consumers' order: the data-parallel tiles, then the stream-K range.
+                # (pipeline states advance in the loop bodies: the tracer carries locals only)
+                for tile in cutlass.range(bid, dp_tiles, grid, unroll=1):
                     tile_m, tile_n = self.tile_coords(tile, num_m_tiles)
                     for k_tile in cutlass.range(k_tiles, unroll=1):
-                        ring.producer_acquire(producer)
-                        barrier = ring.producer_get_barrier(producer)
-                        cute.copy(tma_a, tAgA[(None, tile_m, k_tile)],
-                                  tAsA[(None, producer.index)], tma_bar_ptr=barrier)
-                        cute.copy(tma_b, tBgB[(None, tile_n, k_tile)],
-                                  tBsB[(None, producer.index)], tma_bar_ptr=barrier)
-                        ring.producer_commit(producer)
+                        self.load_stage(ring, producer, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB,
+                                        tile_m, tile_n, k_tile)
                         producer.advance()
+                for it in cutlass.range(sk.begin, sk.end, unroll=1):
+                    seg = it // k_tiles
+                    tile_m, tile_n = self.tile_coords(dp_tiles + seg, num_m_tiles)
+                    self.load_stage(ring, producer, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB,
+                                    tile_m, tile_n, it - seg * k_tiles)
+                    producer.advance()
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             ctid = tidx - 128  # thread index among the consumers
@@ -201,33 +250,169 @@ class StackedKvProjWgmma(StackedKvProjBase):
             release = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.stages
             )
-            for tile in cutlass.range(bid, num_tiles, grid, unroll=1):
+            num_dp = (dp_tiles - bid + grid - 1) // grid
+            # Zeroed accumulators (each unit) and a static ACCUMULATE flag (set once, outside
+            # the unit's branches): nothing loop-carried in the MMA.
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            for unit in cutlass.range(num_dp + sk.num_segments + sk.num_reductions, unroll=1):
+                # -- what this unit is: (tile, k-range, mode) ------------------------------
+                tile = bid + unit * grid
+                k_lo = Int32(0)
+                k_hi = k_tiles
+                mode = Int32(FULL)
+                seg = Int32(0)
+                if unit >= num_dp:
+                    seg = sk.segment_of(unit - num_dp)
+                    tile = dp_tiles + seg
+                    if unit < num_dp + sk.num_segments:
+                        k_lo, k_hi = sk.k_range(seg)
+                        if k_hi - k_lo != k_tiles:
+                            mode = Int32(PARTIAL)
+                    else:
+                        mode = Int32(REDUCE)
                 tile_m, tile_n = self.tile_coords(tile, num_m_tiles)
+                rows_valid = cutlass.min(mLoc.shape[0] - tile_m * self.bm, self.bm)
+                # Row slice this CTA finishes: all rows, or for a reduction its share.
+                row_lo = Int32(0)
+                row_hi = Int32(self.bm)
+                first = Int32(0)
+                count = Int32(1)
+                if mode == REDUCE:
+                    first, count = sk.contributors(seg)
+                    row_lo, row_hi = sk.row_slice(first, count, rows_valid)
                 # The epilogue's row metadata (slot, then position: two dependent global
-                # loads) is fetched now and lands while the main loop runs.
-                rows = [self.row_destination(mLoc, mCommit, width,
-                                             tile_m * self.bm + tCcC[2 * r][0])
-                        for r in range(2)]
+                # loads) is fetched now and lands while the main loop (or the wait) runs.
+                rows = []
+                for r in cutlass.range_constexpr(2):
+                    row = tCcC[2 * r][0]
+                    t, slot, valid = self.row_destination(mLoc, mCommit, width,
+                                                          tile_m * self.bm + row)
+                    rows.append((t, slot, valid & (row >= row_lo) & (row < row_hi)))
                 positions = [cutlass.select_(valid, mPos[t], Int64(0)) for t, _, valid in rows]
-                # Zeroed accumulators and a static ACCUMULATE flag: nothing loop-carried in
-                # the MMA.
-                acc.fill(0.0)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                self.mma_stage(ring, read, tiled_mma, acc, tCrA, tCrB, k_blocks)  # k-tile 0
-                read.advance()
-                for _k_tile in cutlass.range(1, k_tiles, unroll=1):
+                if mode == REDUCE:
+                    self.reduce_partials(sk, seg, first, count, mWork, mCount, sGather, acc,
+                                         tCcC, row_lo, row_hi, ctid)
+                else:  # acc = the sum over this unit's k-tiles
+                    acc.fill(0.0)
                     self.mma_stage(ring, read, tiled_mma, acc, tCrA, tCrB, k_blocks)
-                    # Keep one wgmma group in flight; the one before it has retired, so its
-                    # stage goes back to the producer.
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    ring.consumer_release(release)
                     read.advance()
+                    for _k_tile in cutlass.range(1, k_hi - k_lo, unroll=1):
+                        self.mma_stage(ring, read, tiled_mma, acc, tCrA, tCrB, k_blocks)
+                        # Keep one wgmma group in flight; the one before it has retired, so
+                        # its stage goes back to the producer.
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        ring.consumer_release(release)
+                        read.advance()
+                        release.advance()
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    ring.consumer_release(release)
                     release.advance()
-                cute.nvgpu.warpgroup.wait_group(0)
-                ring.consumer_release(release)
-                release.advance()
-                self.epilogue(acc, tCcC, mBias, mNormW, eps, mCosSin, k_caches, v_caches,
-                              tile_n, [(slot, valid) for _, slot, valid in rows], positions)
+                if mode == PARTIAL:
+                    self.store_partial(sk, seg, mWork, mCount, acc, tCcC, rows_valid, ctid)
+                else:
+                    self.epilogue(acc, tCcC, mBias, mNormW, eps, mCosSin, k_caches, v_caches,
+                                  tile_n, [(slot, valid) for _, slot, valid in rows], positions)
+                if mode == REDUCE:
+                    self.finish_reduction(seg, count, mCount, ctid)
+
+    @cute.jit
+    def load_stage(self, ring, producer, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, tile_m: Int32,
+                   tile_n: Int32, k_tile: Int32) -> None:
+        """Producer: TMA k-tile ``k_tile`` of A (tile_m) and B (tile_n) into the next stage."""
+        ring.producer_acquire(producer)
+        barrier = ring.producer_get_barrier(producer)
+        cute.copy(tma_a, tAgA[(None, tile_m, k_tile)], tAsA[(None, producer.index)],
+                  tma_bar_ptr=barrier)
+        cute.copy(tma_b, tBgB[(None, tile_n, k_tile)], tBsB[(None, producer.index)],
+                  tma_bar_ptr=barrier)
+        ring.producer_commit(producer)
+
+    @cute.jit
+    def partial_addr(self, mWork: cute.Tensor, slot: Int32, row: Int32, col: Int32) -> Int64:
+        """Byte address of element (row, col) of workspace ``slot`` (a row-major fp32 tile)."""
+        index = (Int64(slot) * self.bm + row) * self.bn + col
+        return mWork.iterator.toint() + index * 4
+
+    @cute.jit
+    def store_partial(self, sk, seg: Int32, mWork: cute.Tensor, mCount: cute.Tensor,
+                      acc: cute.Tensor, tCcC: cute.Tensor, rows_valid: Int32,
+                      ctid: Int32) -> None:
+        """Store this CTA's partial of stream-K tile ``seg`` (rows < ``rows_valid`` only),
+        then count it as arrived with release semantics."""
+        slot = sk.own_slot(seg)
+        for q in cutlass.range_constexpr(self.bn // 4):
+            row, col = tCcC[2 * q]
+            if row < rows_valid:  # a quad writes 32 contiguous bytes of a row
+                du.store_f32x2(self.partial_addr(mWork, slot, row, col), acc[2 * q],
+                               acc[2 * q + 1])
+        # Every consumer's stores precede the one release (CTA barrier, then a gpu-scope
+        # release by one thread: cumulativity carries the others' stores).
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.consumer_threads)
+        if ctid == 0:
+            du.atomic_add_release(mCount.iterator.toint() + Int64(seg) * 4, Int32(1))
+
+    @cute.jit
+    def reduce_partials(self, sk, seg: Int32, first: Int32, count: Int32, mWork: cute.Tensor,
+                        mCount: cute.Tensor, sGather: cute.Tensor, acc: cute.Tensor,
+                        tCcC: cute.Tensor, row_lo: Int32, row_hi: Int32, ctid: Int32) -> None:
+        """``acc`` = the sum of stream-K tile ``seg``'s partials in contributor order
+        (``((p0 + p1) + p2) + ...``), for the rows of this CTA's slice (others are left zero:
+        they are never stored). ``first``, ``count``: the tile's contributors.
+
+        All consumer threads first copy the slice of every contributor's partial into SMEM
+        (``sGather``) with 16-byte ``cp.async.cg`` copies, all in flight at once (one L2
+        round trip however many contributors: a loop of dependent loads per contributor
+        measured as microseconds); then each thread sums its fragment's elements from SMEM."""
+        counter = mCount.iterator.toint() + Int64(seg) * 4
+        rows = row_hi - row_lo
+        if (ctid == 0) & (rows > 0):  # an empty slice (few rows) waits for nothing
+            while (du.load_acquire(counter) & ARRIVED_MASK) < count:
+                pass
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.consumer_threads)
+        # Contributors after the first start their ranges inside this tile, so it is their
+        # first tile (slot 2c); only the first's slot needs the division.
+        first_slot = sk.slot(first, seg)
+        pitch = self.bn + GATHER_PAD  # floats per gathered row
+        vectors = self.bn // 4  # 16-byte chunks per row
+        g2s = du.cp_async_atom(Float32)
+        for chunk in cutlass.range(ctid, count * rows * vectors, self.consumer_threads,
+                                   unroll=1):
+            line = chunk // vectors  # (contributor, row of the slice)
+            c = line // rows
+            row = line - c * rows
+            col = (chunk - line * vectors) * 4
+            slot = cutlass.select_(c == 0, first_slot, 2 * (first + c))
+            src = cute.make_tensor(
+                cute.make_ptr(Float32, self.partial_addr(mWork, slot, row_lo + row, col),
+                              cute.AddressSpace.gmem, assumed_align=16),
+                cute.make_layout(4),
+            )
+            cute.copy(g2s, src, cute.local_tile(sGather, (4,), ((line * pitch + col) // 4,)))
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.consumer_threads)
+        acc.fill(0.0)
+        for c in cutlass.range(count, unroll=1):
+            for q in cutlass.range_constexpr(self.bn // 4):
+                row, col = tCcC[2 * q]
+                if (row >= row_lo) & (row < row_hi):
+                    at = (c * rows + row - row_lo) * pitch + col
+                    for e in cutlass.range_constexpr(2):
+                        value = sGather[at + e]
+                        acc[2 * q + e] = cutlass.select_(c == 0, value,
+                                                         du.add_rn(acc[2 * q + e], value))
+
+    @cute.jit
+    def finish_reduction(self, seg: Int32, count: Int32, mCount: cute.Tensor,
+                         ctid: Int32) -> None:
+        """Count this reduction as done; the last of the tile's ``count`` contributors resets
+        its counter to zero."""
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.consumer_threads)
+        if ctid == 0:
+            counter = mCount.iterator.toint() + Int64(seg) * 4
+            done_before = du.atomic_add_release(counter, Int32(DONE_ONE)) >> 16
+            if done_before == count - 1:
+                du.store_relaxed(counter, Int32(0))
 
     @cute.jit
     def mma_stage(self, ring, state, tiled_mma, acc, tCrA, tCrB, k_blocks: int) -> None:
