@@ -7,32 +7,60 @@ part of every key. Writers take an exclusive ``flock`` per key and publish with 
 each object has a SHA-256 sidecar written last, so a corrupt or truncated object is detected,
 removed and rebuilt.
 
-Environment:
-  ``CUTE_KERNELS_CACHE_DIR``   disk cache directory (default ``$XDG_CACHE_HOME/cute_kernels``)
-  ``CUTE_KERNELS_DISK_CACHE``  ``0`` turns the disk layer off
-  ``CUTE_KERNELS_STRICT``      ``1`` starts the process in strict mode (see :func:`set_strict`)
+The disk is an optimisation, never a reason for a call to fail: a full disk, an unwritable
+folder, a lock held too long or an untrusted folder make that key compile in memory instead,
+with one warning per folder and kind of failure and a counter in :func:`cache_stats`.
 
-The directory must be trusted: loading an object runs its code.
+Trust: loading an object runs its code. The cache folder and its fingerprint sub-folder are
+created ``0700`` and used only while they are owned by the effective user and not writable by
+group or others (a symlink must be owned by that user too, and its target passes the same
+test); otherwise the process warns once and stays memory-only for that folder. Objects that
+are not private to the user are rebuilt, never loaded.
+
+Environment:
+  ``CUTE_KERNELS_CACHE_DIR``           disk cache directory (default
+                                       ``$XDG_CACHE_HOME/cute_kernels``)
+  ``CUTE_KERNELS_DISK_CACHE``          ``0`` turns the disk layer off
+  ``CUTE_KERNELS_CACHE_LOCK_TIMEOUT``  seconds to wait for another process's per-key lock
+                                       (default 30) before compiling in memory
+  ``CUTE_KERNELS_STRICT``              ``1`` starts the process in strict mode
+                                       (see :func:`set_strict`)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import importlib.metadata
 import os
 import platform
+import re
+import stat
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Hashable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
 CACHE_DIR_ENV = "CUTE_KERNELS_CACHE_DIR"
 DISK_CACHE_ENV = "CUTE_KERNELS_DISK_CACHE"
+LOCK_TIMEOUT_ENV = "CUTE_KERNELS_CACHE_LOCK_TIMEOUT"
 STRICT_ENV = "CUTE_KERNELS_STRICT"
+
+# Long enough for another process to finish a cold compile of one key (seconds), short enough
+# that a stuck holder delays start-up by one bounded wait instead of forever.
+DEFAULT_LOCK_TIMEOUT = 30.0
+# A released lock is noticed within this; a disk hit costs milliseconds, a compile about a second.
+_LOCK_POLL_SECONDS = 0.05
+# A publisher's temp file lives for the milliseconds of one export: one untouched for this long
+# belongs to no publisher at work, even if its pid now names an unrelated live process.
+_STALE_TEMP_SECONDS = 600.0
+# "<symbol>.o.tmp.<pid>" and "<symbol>.sha256.tmp.<pid>", as _publish names them.
+_TEMP_NAME = re.compile(r"(?P<symbol>.+)\.(?:o|sha256)\.tmp\.(?P<pid>[0-9]+)")
 
 
 class StrictModeError(RuntimeError):
@@ -52,6 +80,9 @@ class _Counters:
     disk_hits: int = 0
     compile_seconds: float = 0.0
     disk_load_seconds: float = 0.0
+    disk_write_errors: int = 0  # keys kept in memory only: the cache could not be written
+    disk_lock_timeouts: int = 0  # keys kept in memory only: another process held the lock
+    disk_untrusted: int = 0  # keys kept in memory only: the cache folder was refused
 
 
 _counters = _Counters()
@@ -61,6 +92,14 @@ _counters_lock = threading.Lock()
 # that single compile instead of compiling again.
 _compile_lock = threading.Lock()
 _strict = os.environ.get(STRICT_ENV, "0") == "1"
+
+# Process-wide disk state, guarded by one lock: warnings already given, cache roots refused as
+# untrusted (refused for the rest of the process, so no object from them is ever loaded) and
+# folders already swept for stale temp files.
+_disk_state_lock = threading.Lock()
+_warned: set[tuple[Hashable, ...]] = set()
+_refused_roots: set[str] = set()
+_swept_folders: set[str] = set()
 
 
 def set_strict(strict: bool = True) -> None:
@@ -74,7 +113,10 @@ def set_strict(strict: bool = True) -> None:
 
 
 def cache_stats() -> dict[str, float]:
-    """Counters of the process: compiles, memory hits, disk hits and seconds spent."""
+    """Counters of the process: compiles, memory hits, disk hits and seconds spent, and the keys
+    compiled in memory only because the disk cache could not be written
+    (``disk_write_errors``), its lock was held too long (``disk_lock_timeouts``) or its folder
+    is not trusted (``disk_untrusted``)."""
     with _counters_lock:
         return dataclasses.asdict(_counters)
 
@@ -91,6 +133,18 @@ def _count(**deltas: float) -> None:
             setattr(_counters, name, getattr(_counters, name) + delta)
 
 
+def _warn_once(reason: tuple[Hashable, ...], message: str) -> None:
+    """Warn the first time for each reason (folder, kind of failure): a full disk fails every key
+    the same way, and one warning says all there is to say."""
+    with _disk_state_lock:
+        if reason in _warned:
+            return
+        _warned.add(reason)
+    # stacklevel 2 attributes it to this module, so `-W ignore:::cute_kernels.compile_cache`
+    # silences it without hiding anyone else's RuntimeWarning.
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
 def disk_cache_dir() -> Path | None:
     if os.environ.get(DISK_CACHE_ENV, "1") == "0":
         return None
@@ -99,6 +153,29 @@ def disk_cache_dir() -> Path | None:
         xdg = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
         root = os.path.join(xdg, "cute_kernels")
     return Path(root)
+
+
+def lock_timeout() -> float:
+    """Seconds to wait for another process's lock on a key (``CUTE_KERNELS_CACHE_LOCK_TIMEOUT``).
+
+    A value that is not a number of seconds >= 0 falls back to the default with a warning: a
+    typo in the environment must not stop a serving process. ``inf`` waits forever.
+    """
+    raw = os.environ.get(LOCK_TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_LOCK_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds >= 0:  # also false for nan
+        _warn_once(
+            ("lock timeout value", raw),
+            f"cute_kernels: {LOCK_TIMEOUT_ENV}={raw!r} is not a number of seconds >= 0; "
+            f"using {DEFAULT_LOCK_TIMEOUT:g}",
+        )
+        return DEFAULT_LOCK_TIMEOUT
+    return seconds
 
 
 _fingerprint: str | None = None
@@ -152,6 +229,210 @@ def _sha256_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+# -- the cache folder: creation and trust ----------------------------------------------------
+
+
+_WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
+
+
+def _private_to_user(st: os.stat_result) -> bool:
+    """Owned by the effective user and writable by nobody else, so nobody else can plant code."""
+    return st.st_uid == os.geteuid() and not st.st_mode & _WRITABLE_BY_OTHERS
+
+
+def _untrusted_reason(directory: Path) -> str | None:
+    """Why ``directory`` must not be used as a cache folder, or None when it may."""
+    st = os.lstat(directory)
+    if stat.S_ISLNK(st.st_mode):
+        # Whoever owns the link can point it somewhere else at any time.
+        if st.st_uid != os.geteuid():
+            return f"is a symlink owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+        st = os.stat(directory)
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if st.st_mode & _WRITABLE_BY_OTHERS:
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _make_private_dir(directory: Path) -> None:
+    """Create ``directory`` with mode 0700 unless it exists (an existing one is checked, never
+    changed: its owner chose its mode)."""
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        return
+    # mkdir's mode passes through the umask, which may also drop the owner's own bits.
+    os.chmod(directory, 0o700)
+
+
+def _cache_folder(root: Path) -> Path | None:
+    """The fingerprint folder under ``root``, created and checked; None: use no disk for this key
+    (already warned and counted)."""
+    with _disk_state_lock:
+        refused = str(root) in _refused_roots
+    if refused:
+        _count(disk_untrusted=1)
+        return None
+    folder = root / fingerprint()
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        for directory in (root, folder):  # the root is checked before anything is made in it
+            _make_private_dir(directory)
+            reason = _untrusted_reason(directory)
+            if reason is not None:
+                _refuse_root(root, directory, reason)
+                return None
+    except OSError as error:
+        _disk_failure(root, "create the cache folder", error)
+        return None
+    _sweep_stale_temps_once(folder)
+    return folder
+
+
+def _refuse_root(root: Path, directory: Path, reason: str) -> None:
+    with _disk_state_lock:
+        _refused_roots.add(str(root))
+    _count(disk_untrusted=1)
+    _warn_once(
+        (str(root), "untrusted"),
+        f"cute_kernels: not using the compile cache {root}: {directory} {reason}. Loading a "
+        "cached object runs its code, so the cache folder must be owned by this user and not "
+        "writable by group or others (`chmod go-w` it, or set CUTE_KERNELS_CACHE_DIR); this "
+        "process compiles every kernel in memory only.",
+    )
+
+
+def _disk_failure(directory: Path, action: str, error: OSError) -> None:
+    _count(disk_write_errors=1)
+    _warn_once(
+        (str(directory), action, error.errno),
+        f"cute_kernels: could not {action} in the compile cache {directory}: {error}. Kernels "
+        "that need it are compiled in memory only (calls still work; other processes compile "
+        "them again).",
+    )
+
+
+# -- lock files, squatters and stale temp files ----------------------------------------------
+
+
+def _unlink_quietly(path: Path) -> None:
+    """Best-effort removal: a file that cannot be removed now is removed by a later publisher."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def _remove_squatter(path: Path) -> None:
+    """Make ``path`` free or a regular file. Nothing but regular files is ever put at an object,
+    sidecar or lock path, so an empty directory or a link, fifo or socket there is debris to
+    remove (unlinking a name never touches a link's target); a non-empty directory may hold
+    someone's data, so it is left alone and the OSError from ``rmdir`` goes to the caller."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        os.rmdir(path)
+    elif not stat.S_ISREG(st.st_mode):
+        path.unlink()
+
+
+def _open_lock(path: Path) -> int:
+    # O_NOFOLLOW: a symlink planted at the lock path must not make us create files elsewhere.
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags, 0o600)
+    except OSError as error:
+        if error.errno not in (errno.EISDIR, errno.ELOOP):
+            raise
+    _remove_squatter(path)
+    return os.open(path, flags, 0o600)
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _flock_within(fd: int, timeout: float) -> bool:
+    """Take the exclusive lock, polling until ``timeout`` seconds have passed (a blocking
+    ``flock`` has no timeout, and a stuck holder would block start-up forever)."""
+    deadline = time.monotonic() + timeout
+    while not _try_flock(fd):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_LOCK_POLL_SECONDS)
+    return True
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:  # kill(0 or negative) would address process groups, not one pid
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _remove_stale_temps(folder: Path, symbol: str) -> None:
+    """Remove the temp files of ``symbol`` left by publishers that died mid-publish. The caller
+    holds the key's ``flock``, so no publisher of the key is at work in any process; still, a
+    recent file of another live process is kept, because it would be that process's to lose."""
+    try:
+        names = os.listdir(folder)
+    except OSError:  # a folder that cannot be listed is reported by the step that writes it
+        return
+    for name in names:
+        match = _TEMP_NAME.fullmatch(name)
+        if match is None or match["symbol"] != symbol:
+            continue
+        path = folder / name
+        pid = int(match["pid"])
+        try:
+            age = time.time() - path.lstat().st_mtime
+        except OSError:
+            continue
+        if pid != os.getpid() and _pid_alive(pid) and age < _STALE_TEMP_SECONDS:
+            continue
+        _unlink_quietly(path)
+
+
+def _sweep_stale_temps_once(folder: Path) -> None:
+    """On a process's first use of a folder, clean up temp files of every key whose lock is
+    free: a key no one requests again would otherwise keep its debris forever. Best effort: a
+    folder that cannot be listed or written is reported by the steps that need it."""
+    with _disk_state_lock:
+        if str(folder) in _swept_folders:
+            return
+        _swept_folders.add(str(folder))
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for symbol in sorted({m["symbol"] for m in map(_TEMP_NAME.fullmatch, names) if m}):
+        try:
+            fd = _open_lock(folder / f"{symbol}.lock")
+        except OSError:
+            continue
+        try:
+            if _try_flock(fd):  # a busy key is cleaned by the publisher holding its lock
+                _remove_stale_temps(folder, symbol)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
 class KernelCache:
     """Compiled kernels of one family, keyed by the family's frozen ``CompileKey``."""
 
@@ -200,22 +481,52 @@ class KernelCache:
     def _load_or_compile(self, key: CompileKey) -> Callable[..., Any]:
         symbol = symbol_name(self.family, key)
         root = disk_cache_dir()
-        if root is None:
+        folder = None if root is None else _cache_folder(root)
+        if folder is None:
             return self._compile(key)
-        folder = root / fingerprint()
-        folder.mkdir(parents=True, exist_ok=True)
         obj = folder / f"{symbol}.o"
         fn = self._load(obj, symbol)
         if fn is not None:
             return fn
-        with open(folder / f"{symbol}.lock", "a+") as lock_file:
-            fcntl.flock(lock_file, fcntl.LOCK_EX)  # another process may be writing this key
-            fn = self._load(obj, symbol)
-            if fn is not None:
-                return fn
-            compiled = self._compile(key)
+        lock_path = folder / f"{symbol}.lock"
+        try:
+            lock_fd = _open_lock(lock_path)
+        except OSError as error:
+            _disk_failure(folder, "open a lock file", error)
+            return self._compile(key)
+        try:
+            return self._compile_and_publish(key, lock_fd, lock_path, obj, symbol)
+        finally:
+            os.close(lock_fd)  # releases the flock
+
+    def _compile_and_publish(
+        self, key: CompileKey, lock_fd: int, lock_path: Path, obj: Path, symbol: str
+    ) -> Callable[..., Any]:
+        timeout = lock_timeout()
+        try:
+            locked = _flock_within(lock_fd, timeout)  # another process may be writing this key
+        except OSError as error:  # e.g. ENOLCK: a filesystem without flock
+            _disk_failure(obj.parent, "lock a key", error)
+            return self._compile(key)
+        if not locked:
+            _count(disk_lock_timeouts=1)
+            _warn_once(
+                (str(obj.parent), "lock timeout"),
+                f"cute_kernels: another process held {lock_path} for more than {timeout:g} s "
+                f"(stuck, or compiling slowly); compiling in memory only. Set "
+                f"{LOCK_TIMEOUT_ENV} to wait longer.",
+            )
+            return self._compile(key)
+        fn = self._load(obj, symbol)
+        if fn is not None:
+            return fn
+        _remove_stale_temps(obj.parent, symbol)
+        compiled = self._compile(key)
+        try:
             self._publish(compiled, obj, symbol)
-            return compiled
+        except OSError as error:
+            _disk_failure(obj.parent, "write a compiled object", error)
+        return compiled
 
     def _compile(self, key: CompileKey) -> Callable[..., Any]:
         if _strict:
@@ -231,19 +542,26 @@ class KernelCache:
 
     def _load(self, obj: Path, symbol: str) -> Callable[..., Any] | None:
         checksum = obj.with_suffix(".sha256")
-        if not (obj.exists() and checksum.exists()):
+        try:
+            obj_stat = os.lstat(obj)
+            sum_stat = os.lstat(checksum)
+        except OSError:  # missing (an unreadable folder is reported by the lock step)
             return None
+        if not (stat.S_ISREG(obj_stat.st_mode) and stat.S_ISREG(sum_stat.st_mode)):
+            return None  # something squats on the path; the publisher clears it under the lock
         start = time.perf_counter()
         try:
+            if not _private_to_user(obj_stat):
+                raise ValueError("object writable by others")  # never run it: rebuild it
             if _sha256_file(obj) != checksum.read_text().strip():
                 raise ValueError("checksum mismatch")
             import cutlass.cute as cute
 
             module = cute.runtime.load_module(str(obj), enable_tvm_ffi=True)
             fn = getattr(module, symbol)
-        except Exception:  # corrupt, truncated or stale: drop it and rebuild
+        except Exception:  # corrupt, truncated, stale or not private: drop it and rebuild
             for path in (obj, checksum):
-                path.unlink(missing_ok=True)
+                _unlink_quietly(path)
             return None
         self._modules.append(module)
         _count(disk_hits=1, disk_load_seconds=time.perf_counter() - start)
@@ -251,10 +569,25 @@ class KernelCache:
 
     @staticmethod
     def _publish(compiled: Any, obj: Path, symbol: str) -> None:
+        """Write the object, then its sidecar, each through a temp file and ``os.replace``.
+
+        Raises OSError when the cache cannot be written; the temp files are removed first.
+        """
+        checksum = obj.with_suffix(".sha256")
         tmp = obj.with_name(f"{obj.name}.tmp.{os.getpid()}")
-        compiled.export_to_c(str(tmp), function_name=symbol, export_only_tvm_ffi_symbols=True)
-        digest = _sha256_file(tmp)
-        os.replace(tmp, obj)
-        tmp_sum = obj.with_name(f"{obj.stem}.sha256.tmp.{os.getpid()}")
-        tmp_sum.write_text(digest)
-        os.replace(tmp_sum, obj.with_suffix(".sha256"))
+        tmp_sum = obj.with_name(f"{checksum.name}.tmp.{os.getpid()}")
+        try:
+            for path in (obj, checksum):
+                _remove_squatter(path)
+            compiled.export_to_c(str(tmp), function_name=symbol, export_only_tvm_ffi_symbols=True)
+            # export_to_c creates the file through the umask; only the owner may change code.
+            os.chmod(tmp, 0o600)
+            digest = _sha256_file(tmp)
+            os.replace(tmp, obj)
+            tmp_sum.write_text(digest)
+            os.chmod(tmp_sum, 0o600)
+            os.replace(tmp_sum, checksum)
+        except BaseException:
+            for path in (tmp, tmp_sum):
+                _unlink_quietly(path)
+            raise
