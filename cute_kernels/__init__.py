@@ -8,7 +8,11 @@ Public API::
     check_kv_rope_insert(...), check_compress_c128(...), check_stacked_kv_proj(...)
                                  their layout checks (meta tensors welcome)
     LayoutError                  raised for unsupported layouts, before any compile or launch
-    precompile(arch=None)        build (or load from disk) every kernel variant up front
+    plan(deployment, arch=, tp=) which ops of a deployment (a Deployment, a PRESETS name or a
+                                 JSON file) these kernels serve, with which compile keys, and
+                                 the LayoutError of the others (meta tensors: no GPU)
+    precompile(arch=None)        build (or load from disk) every kernel variant up front;
+    precompile(plan)             or exactly the variants of a plan
     set_strict(True)             any later compile raises StrictModeError
     cache_stats()                compile-cache counters
     reference                    pure-PyTorch references (the executable specs)
@@ -17,7 +21,7 @@ Public API::
 from __future__ import annotations
 
 from . import reference
-from .arch import SUPPORTED_ARCHS, arch_for
+from .arch import SUPPORTED_ARCHS, check_arch
 from .compile_cache import (
     StrictModeError,
     cache_stats,
@@ -26,6 +30,7 @@ from .compile_cache import (
     set_strict,
 )
 from .compress_c128 import check_compress_c128, compress_c128
+from .deployment import PRESETS, Deployment, DeploymentError, Plan, build, default_arch, plan
 from .kv_rope_insert import check_kv_rope_insert, kv_rope_insert
 from .stacked_kv_proj import check_stacked_kv_proj, stacked_kv_proj
 from .validation import LayoutError
@@ -33,22 +38,35 @@ from .validation import LayoutError
 __version__ = "0.1.0"
 
 
-def precompile(arch: str | None = None, kernels: list[str] | None = None) -> None:
-    """Compile (or load from the disk cache) every variant of the named kernel families (all by
-    default) for ``arch`` (default: the current CUDA device). Call once at start-up."""
-    import torch
+def precompile(
+    arch: str | Plan | None = None, kernels: list[str] | None = None, *, strict: bool = False
+) -> None:
+    """Compile (or load from the disk cache) kernel variants up front; call once at start-up.
 
-    target = arch_for(torch.device("cuda"), arch) if arch is None else arch_for(
-        torch.device("meta"), arch
-    )
-    for name, cache in families().items():
-        if kernels is None or name in kernels:
-            cache.precompile(cache.variants(target))
+    ``precompile(plan)`` builds exactly the compile keys of a :func:`plan` (its supported cases)
+    — bake them into an image's disk cache, and a serving process that calls it again loads
+    them with no compile. ``precompile(arch)`` builds every variant of the kernel families for
+    ``arch`` (default: ``CUTE_KERNELS_ARCH`` or the current CUDA device). ``kernels`` limits
+    either to the named families; ``strict`` turns strict mode on afterwards (any later compile
+    raises :class:`StrictModeError`). A progress bar shows on a terminal."""
+    if isinstance(arch, Plan):
+        keys = [(op, key) for op, op_keys in arch.keys().items() for key in op_keys]
+    else:
+        target = default_arch() if arch is None else check_arch(arch)
+        keys = [(name, key) for name, cache in families().items()
+                for key in cache.variants(target)]
+    build([(name, key) for name, key in keys if kernels is None or name in kernels])
+    if strict:
+        set_strict(True)
 
 
 __all__ = [
+    "PRESETS",
     "SUPPORTED_ARCHS",
+    "Deployment",
+    "DeploymentError",
     "LayoutError",
+    "Plan",
     "StrictModeError",
     "cache_stats",
     "check_compress_c128",
@@ -56,6 +74,7 @@ __all__ = [
     "check_stacked_kv_proj",
     "compress_c128",
     "kv_rope_insert",
+    "plan",
     "precompile",
     "reference",
     "reset_cache_stats",
