@@ -6,7 +6,7 @@ import torch
 
 import cute_kernels
 from cute_kernels import reference
-from cute_kernels.layouts import CacheFormat
+from cute_kernels.layouts import HEAD_DIM, ROPE_DIM, CacheFormat
 from cute_kernels.testing import kv_rope_insert_case
 
 from .timing import Timer
@@ -16,21 +16,26 @@ BLOCK_SIZE = 64
 POSITIONS_BASE = 1000
 
 
-def op_bytes(fmt: str, tokens: int) -> int:
+DECODE_TOKENS = (1, 16, 64, 256)  # a decode step: one new slot per request, each in its page
+
+
+def op_bytes(fmt: CacheFormat, tokens: int) -> int:
     """kv row + position + slot + cos/sin row read, record (+ scales) written, per token."""
-    record = {"v4_packed": 584, "v41_mxfp8": 528, "bf16": 1024, "fp8": 512}[fmt]
-    return tokens * (512 * 2 + 8 + 8 + 64 * 4 + record)
+    return tokens * (HEAD_DIM * 2 + 8 + 8 + ROPE_DIM * 4 + fmt.row_bytes)
 
 
 def run(timer: Timer, ceiling: float, tokens=TOKENS, baselines: bool = True,
         slot_pattern: str = "paged") -> list[dict]:
+    """Every format at ``tokens`` prefill-shaped slots (``slot_pattern``), and at the decode
+    sizes with decode-shaped slots (random single slots across as many pages)."""
     rows = []
     compiled_ref = torch.compile(reference.kv_rope_insert, dynamic=True)
-    for fmt in (f.value for f in CacheFormat):
-        for t in tokens:
+    runs = [(slot_pattern, t) for t in tokens] + [("decode", t) for t in DECODE_TOKENS]
+    for fmt in CacheFormat:
+        for pattern, t in runs:
             case = kv_rope_insert_case(fmt, t, BLOCK_SIZE, "cuda", extra_rows=0,
-                             positions_base=POSITIONS_BASE, seed=t, skip_every=0,
-                             slot_pattern=slot_pattern)
+                                       positions_base=POSITIONS_BASE, seed=t, skip_every=0,
+                                       slot_pattern=pattern)
             args = case.args()
             # correctness of the timed call, once
             ref_backing, ref_cache = case.twin()
@@ -44,9 +49,10 @@ def run(timer: Timer, ceiling: float, tokens=TOKENS, baselines: bool = True,
 
             nbytes = op_bytes(fmt, t)
             cold = timer.cold_us(call)
+            label = fmt.value if pattern == slot_pattern else f"{fmt.value} {pattern}"
             row = {
-                "kernel": "kv_rope_insert", "format": fmt, "tokens": t,
-                "block_size": BLOCK_SIZE, "slots": slot_pattern, "bytes": nbytes, "exact": exact,
+                "kernel": "kv_rope_insert", "format": label, "tokens": t,
+                "block_size": BLOCK_SIZE, "slots": pattern, "bytes": nbytes, "exact": exact,
                 "cold_us": cold, "hot_us": timer.hot_us(call), "host_us": timer.host_us(call),
                 "pct_of_copy_cold": 100 * nbytes / (cold * 1e-6) / ceiling,
             }
@@ -56,7 +62,7 @@ def run(timer: Timer, ceiling: float, tokens=TOKENS, baselines: bool = True,
                     lambda a=ref_args: reference.kv_rope_insert(*a))
                 row["ref_compile_us"] = timer.eager_cold_us(lambda a=ref_args: compiled_ref(*a))
             rows.append(row)
-            print(f"  {fmt:<10} T={t:<7} cold {cold:8.1f} us  hot {row['hot_us']:8.2f} us  "
+            print(f"  {label:<16} T={t:<7} cold {cold:8.1f} us  hot {row['hot_us']:8.2f} us  "
                   f"{row['pct_of_copy_cold']:5.1f}% copy  exact={exact}", flush=True)
             del case, ref_backing, ref_cache
     return rows

@@ -30,7 +30,8 @@ def compile_only() -> int:
 
 BASELINES = (("ref_eager_us", "ref eager"), ("ref_compile_us", "ref torch.compile"),
              ("per_layer_us", "per-layer torch"),
-             ("stacked_cublas_us", "stacked cuBLAS + torch"), ("cublas_only_us", "cuBLAS alone"))
+             ("stacked_cublas_us", "stacked cuBLAS + torch"), ("cublas_only_us", "cuBLAS alone"),
+             ("floor_us", "floor"), ("target_us", "target"))
 
 
 def markdown(rows: list[dict], env: dict, ceiling: float) -> str:
@@ -50,8 +51,14 @@ def markdown(rows: list[dict], env: dict, ceiling: float) -> str:
             for error in [key.removesuffix("_us") + "_error"]
             if key in r or error in r
         )
+        if "vs_cublas" in r:
+            base += f"; ours / cuBLAS {r['vs_cublas']:.2f}; {r['weight_tbps']:.2f} TB/s weight"
         if "tflops" in r:
             base += f"; {r['tflops']:.0f} TFLOP/s"
+        if "plan" in r:
+            base += f"; plan {r['plan']}"
+        if "windows" in r:
+            base += f"; {r['windows']} windows"
         lines.append(
             f"| {r['kernel']} | {r['format']} | {r['tokens']} | {r['cold_us']:.1f} | "
             f"{r['hot_us']:.2f} | {r['host_us']:.1f} | {r['pct_of_copy_cold']:.1f} | "
@@ -67,11 +74,15 @@ def main() -> int:
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--slots", default="paged", choices=("paged", "random"))
     parser.add_argument("--tokens", default=None, help="comma-separated sizes (default: all)")
+    parser.add_argument("--compare", default=None, type=Path,
+                        help="an earlier results.json: print the change of every cell")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         return compile_only()
+    # read now: the run overwrites results.json, which may be the file compared against
+    old = None if args.compare is None else json.loads(args.compare.read_text())
 
-    from . import bench_compress_c128, bench_kv_rope_insert, bench_stacked_kv_proj
+    from . import bench_compress_c128, bench_kv_rope_insert, bench_stacked_kv_proj, report
     from .timing import Timer, copy_ceiling_bytes_per_s, environment
 
     env = environment()
@@ -91,6 +102,8 @@ def main() -> int:
                               slot_pattern=args.slots, **sizes)
             write_results(Path(args.out), rows, env, ceiling)  # kept even if a later one dies
     print(markdown(rows, env, ceiling))
+    results = {"env": env, "copy_ceiling_Bps": ceiling, "rows": rows}
+    report.write_report(results, Path(args.out), old)
     return 0
 
 
