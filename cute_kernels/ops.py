@@ -14,20 +14,48 @@ that gets the key and every argument, in signature order. :func:`cute_op` turns 
   capture work);
 - ``<public>.check``: the validation alone, which rejects exactly what the op rejects except
   that it does not need CUDA tensors (``meta`` tensors work).
+
+Host cost. The full validation costs 10-20 us of Python per call, more than the launch. A layout
+that passed once is remembered under a *signature* of everything the validation reads (each
+tensor's dtype, shape, strides, device and the low bits of its address; every other argument's
+type and value; the arch override), so a call with a layout seen before skips straight to the
+launch, and anything else — a new or a rejected layout — runs the full validation, which raises
+exactly as before. Rejections are never remembered.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from .arch import ARCH_ENV
 from .validation import fail
 
 NAMESPACE = "cute_kernels"
+#: Layouts remembered per op (a serving process sees a handful; the bound only caps memory).
+MAX_REMEMBERED_LAYOUTS = 4096
+
+
+def _meta(value: object) -> object:
+    """What validation may read of one argument, hashable (raises TypeError when not)."""
+    if isinstance(value, torch.Tensor):
+        # the address's low bits decide every alignment check (all are <= 16 bytes)
+        return (value.dtype, value.shape, value.stride(), value.device,
+                value.data_ptr() & 15)
+    if isinstance(value, (list, tuple)):
+        return (type(value), *map(_meta, value))
+    return (type(value), value)
+
+
+def layout_signature(args: tuple) -> tuple:
+    """The layout signature of a call's arguments (it may hold an unhashable value: its
+    lookup then raises TypeError, and the call is validated in full)."""
+    return (os.environ.get(ARCH_ENV), *map(_meta, args))
 
 
 def cute_op(
@@ -50,10 +78,28 @@ def cute_op(
             bound.apply_defaults()
             return tuple(bound.arguments.values())
 
+        accepted: dict[tuple, Any] = {}  # signature -> compile key, for CUDA calls
+        checked: dict[tuple, bool] = {}  # signatures check() accepted
+
+        def remember(table: dict, sig: tuple, value: object) -> None:
+            if len(table) >= MAX_REMEMBERED_LAYOUTS:
+                table.clear()
+            try:
+                table[sig] = value
+            except TypeError:  # an unhashable argument: never remembered
+                pass
+
         def run(*args: Any) -> None:
-            key = validate(*args)
-            if args[0].device.type != "cuda":
-                fail(first, "a CUDA tensor", f"device {args[0].device}")
+            sig = layout_signature(args)
+            try:
+                key = accepted.get(sig)
+            except TypeError:
+                key = None
+            if key is None:
+                key = validate(*args)
+                if args[0].device.type != "cuda":
+                    fail(first, "a CUDA tensor", f"device {args[0].device}")
+                remember(accepted, sig, key)
             launch(key, args)
 
         def impl(*args: Any, **kwargs: Any) -> None:
@@ -77,7 +123,15 @@ def cute_op(
                 run(*positional(args, kwargs))
 
         def check(*args: Any, **kwargs: Any) -> None:
-            validate(*positional(args, kwargs))
+            args = positional(args, kwargs)
+            sig = layout_signature(args)
+            try:
+                if sig in checked:
+                    return
+            except TypeError:
+                pass
+            validate(*args)
+            remember(checked, sig, True)
 
         check.__signature__ = signature  # type: ignore[attr-defined]
         check.__name__ = f"check_{name}"
@@ -91,6 +145,7 @@ def cute_op(
         public.check = check  # type: ignore[attr-defined]
         public.validate = validate  # type: ignore[attr-defined]
         public.op = op  # type: ignore[attr-defined]
+        public.forget_layouts = lambda: (accepted.clear(), checked.clear())  # type: ignore
         return public
 
     return register
