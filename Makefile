@@ -13,7 +13,7 @@ endif
 PYTEST_ARGS ?=
 PERF_ARGS ?=
 
-.PHONY: test perf compile lint clean
+.PHONY: test perf sanitize compile lint clean
 
 # The package itself goes in editable, so `python -m cute_kernels ...` works from any directory.
 .venv/.installed: requirements-test.txt pyproject.toml
@@ -29,6 +29,17 @@ test: $(ENV_DEP)
 
 perf: $(ENV_DEP)
 	$(PY) -m perf.run $(PERF_ARGS)
+
+# GPU: compute-sanitizer memcheck, then racecheck, over small calls of every kernel variant;
+# fails on any reported error (`--report-api-errors no`: the CUDA Python bindings probe the
+# driver with calls that fail by design). Without a GPU, perf.sanitize says so.
+SANITIZER ?= compute-sanitizer
+SANITIZE_FLAGS := --report-api-errors no --error-exitcode 1
+sanitize: $(ENV_DEP)
+	@if $(PY) -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
+	  $(SANITIZER) --tool memcheck $(SANITIZE_FLAGS) $(PY) -m perf.sanitize && \
+	  $(SANITIZER) --tool racecheck $(SANITIZE_FLAGS) $(PY) -m perf.sanitize; \
+	else $(PY) -m perf.sanitize; fi
 
 compile: $(ENV_DEP)
 	$(PY) -m cute_kernels compile --arch sm_90a && $(PY) -m cute_kernels compile --arch sm_100a

@@ -1,0 +1,89 @@
+"""Small calls of every variant of every kernel, for compute-sanitizer (``make sanitize``):
+
+    compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 \\
+        python3 -m perf.sanitize
+
+(``--report-api-errors no``: the CUDA Python bindings probe the driver with calls that fail by
+design.) Each call's result is checked against the reference too, so a variant that runs but
+computes garbage also fails. Without a GPU it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+
+def _kv_rope_insert() -> int:
+    import cute_kernels
+    from cute_kernels import reference
+    from cute_kernels.layouts import CacheFormat
+    from cute_kernels.testing import kv_rope_insert_case
+
+    for fmt in CacheFormat:
+        case = kv_rope_insert_case(fmt, 37, 16, "cuda")
+        ref_backing, ref_cache = case.twin()
+        reference.kv_rope_insert(*case.args(ref_cache))
+        cute_kernels.kv_rope_insert(*case.args())
+        torch.cuda.synchronize()
+        assert torch.equal(case.backing.view(torch.uint8), ref_backing.view(torch.uint8)), fmt
+    return len(CacheFormat)
+
+
+def _compress_c128() -> int:
+    import cute_kernels
+    from cute_kernels.layouts import C128_FORMATS
+    from cute_kernels.testing import compress_c128_case
+
+    calls = 0
+    for fmt in C128_FORMATS:
+        for norm in (torch.bfloat16, torch.float32):
+            case = compress_c128_case(fmt, 40, 2, "cuda", norm_dtype=norm)
+            cute_kernels.compress_c128(*case.args())
+            torch.cuda.synchronize()
+            written = case.backing.view(torch.uint8) != 0xA5
+            assert bool(written.any()), (fmt, norm)  # the tolerance checks are the GPU tests'
+            calls += 1
+    return calls
+
+
+def _stacked_kv_proj() -> int:
+    from cute_kernels import reference, stacked_kv_proj
+    from cute_kernels.stacked_kv_proj.plan import SCHEDULE_ENV, TILE_ENV, impls_for, tiles_for
+    from cute_kernels.testing import compare_stacked, stacked_kv_proj_case
+
+    arch = f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}a"
+    calls = 0
+    for impl in impls_for(arch):
+        for tile in tiles_for(impl):
+            for schedule in ("dp", "streamk") if impl == "wgmma" else ("dp",):
+                os.environ.update({"CUTE_KERNELS_STACKED_IMPL": impl, TILE_ENV: tile,
+                                   SCHEDULE_ENV: schedule})
+                case = stacked_kv_proj_case(37, 256, 2, 2, 128, "cuda", bias=True,
+                                            commit=True, row_pad=8)
+                _, _, ref_k, ref_v = case.twin()
+                reference.stacked_kv_proj(*case.args(ref_k, ref_v))
+                stacked_kv_proj(*case.args())
+                torch.cuda.synchronize()
+                result = compare_stacked(case, ref_k, ref_v)
+                assert result.untouched_equal, (impl, tile, schedule)
+                calls += 1
+    for key in ("CUTE_KERNELS_STACKED_IMPL", TILE_ENV, SCHEDULE_ENV):
+        os.environ.pop(key)
+    return calls
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("perf.sanitize: no CUDA device; run `make sanitize` on a GPU machine")
+        return 0
+    for name, run in (("kv_rope_insert", _kv_rope_insert), ("compress_c128", _compress_c128),
+                      ("stacked_kv_proj", _stacked_kv_proj)):
+        print(f"perf.sanitize: {name}: {run()} variants ran", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
