@@ -209,6 +209,12 @@ REJECTIONS = {
                              ("k_cache", "stride 1 in dim 2")),
     "kv_block_size_mismatch": (dict(kv_block_size=64), ("kv_block_size", "k_cache.shape[1]")),
     "kv_block_size_type": (dict(kv_block_size=2.0), ("kv_block_size", "positive int")),
+    "positions_0d": (dict(positions=lambda a: a["positions"][0]), ("positions", "1-D")),
+    "positions_none": (dict(positions=None), ("positions", "torch.Tensor")),
+    "positions_a_list": (dict(positions=[127, 255]), ("positions", "torch.Tensor")),
+    "positions_an_int": (dict(positions=127), ("positions", "torch.Tensor")),
+    "eps_overflows_a_float": (dict(eps=10**400), ("eps", "finite")),
+    "eps_a_string": (dict(eps="1e-6"), ("eps", "float")),
     "index_on_other_device": (dict(positions=lambda a: torch.empty(
         16, dtype=torch.int64, device="cpu" if a["state_cache"].is_meta else "meta")),
         ("positions", "state_cache's device")),

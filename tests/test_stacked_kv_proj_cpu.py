@@ -430,10 +430,12 @@ def test_layout_on_meta_with_arch_override(arch, monkeypatch):
     layout = stacked_kv_proj.validate(*_args("meta").values())
     assert layout == StackedLayout(2, 2, 128, False, False, "float32", arch)
     plan = choose_plan(layout, 16, 4096, 132)
-    if arch == "sm_90a":  # 8 tiles of 64 k-tiles: stream-K, at most 16 CTAs per tile
-        assert plan == StackedPlan(StackedVariant("wgmma", "m64"), True, 120, 0)
-    else:  # the mma core has one CTA per tile
-        assert plan == StackedPlan(StackedVariant("mma", "m64"), False, 8, 8)
+    impl = "wgmma" if arch == "sm_90a" else "mma"  # 8 tiles of 1 MB: data-parallel
+    assert plan == StackedPlan(StackedVariant(impl, "m64"), False, 8, 8)
+    if arch == "sm_90a":  # D = 256, 4 tiles of 2.5 MB: stream-K, at most 16 CTAs per tile
+        wide = dataclasses.replace(layout, n_kv=1, head_dim=256)
+        assert choose_plan(wide, 16, 5120, 132) == StackedPlan(StackedVariant("wgmma", "m64"),
+                                                               True, 60, 0)
 
 
 @pytest.mark.parametrize(("tiles", "k_tiles", "ctas", "stream_k", "expected"), [
@@ -455,8 +457,8 @@ DRAFTER_TP8 = StackedLayout(5, 1, 128, False, False, "float32", "sm_90a")  # 10 
 
 
 @pytest.mark.parametrize(("env", "expected"), [
-    ({}, (True, 132)),
-    ({"CUTE_KERNELS_STACKED_SCHEDULE": "dp"}, (False, 10)),
+    ({}, (False, 10)),  # 10 tiles of 1 MB: data-parallel
+    ({"CUTE_KERNELS_STACKED_SCHEDULE": "streamk"}, (True, 132)),
     ({"CUTE_KERNELS_STACKED_SCHEDULE": "streamk", "CUTE_KERNELS_STACKED_CTAS": "7"},
      (True, 7)),
 ])

@@ -154,13 +154,14 @@ def check_overrides(arch: str) -> None:
 MAX_CONTRIBUTORS = 16
 
 # When the default plan is stream-K (H200, 2026-12-01, cold, specs/stacked_kv_proj.md): at decode
-# sizes on layouts of few column tiles, where data-parallel CTAs each stream a long slice of the
-# weight (D = 256 with 4 tiles: 22 against 34 us; D = 64 with 12 tiles: 15 against 18). With
-# more tiles the reduction's fixed latency (partial store, release/acquire hand-over, gather,
-# an exposed epilogue) costs more than the extra SMs gain, and at T >= 256 and in the last
-# wave of large T the data-parallel waves measured faster in every layout tried.
+# sizes where each data-parallel CTA would stream a long slice of the weight (D = 256, 4 tiles
+# of 2.6 MB: 20-22 against 34 us in three runs). With 1 MB per tile (the TP-8 drafter layout)
+# the two measured within run-to-run noise of each other, the reduction's fixed latency
+# (partial store, release/acquire hand-over, gather, an exposed epilogue) eating what the
+# extra SMs gain; at T >= 256 and in the last wave of large T data-parallel measured faster in
+# every layout tried. Forced stream-K stays available (CUTE_KERNELS_STACKED_SCHEDULE).
 STREAM_K_MAX_TOKENS = 64
-STREAM_K_MAX_TILES = 12
+STREAM_K_MIN_TILE_BYTES = 2 << 20  # weight bytes per data-parallel tile
 STREAM_K_TILE = "m64"
 
 
@@ -219,8 +220,10 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int) -> S
     if impl == "mma":
         return StackedPlan(StackedVariant(impl, tile), False, tiles, tiles)
     wanted = forced_schedule()
+    tile_bytes = layout.num_layers * 2 * layout.kv * hidden * 2 // tiles
     stream_k = wanted == "streamk" or (
-        wanted == "auto" and tokens <= STREAM_K_MAX_TOKENS and tiles <= STREAM_K_MAX_TILES)
+        wanted == "auto" and tokens <= STREAM_K_MAX_TOKENS
+        and tile_bytes >= STREAM_K_MIN_TILE_BYTES)
     if stream_k and wanted == "auto":
         tile = STREAM_K_TILE
         tiles = tile_count(tokens, layout, TILES[tile])

@@ -1,0 +1,56 @@
+"""Where an eager call's host time goes, at T = 1 (GPU): the wall time per call of each op, of
+its layout check alone, and a cProfile of the op's Python by own time.
+
+    python3 -m perf.host_profile [--calls 2000] [--top 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+import cute_kernels
+from cute_kernels.testing import compress_c128_case, kv_rope_insert_case, stacked_kv_proj_case
+
+
+def _per_call_us(fn, calls: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--top", type=int, default=12)
+    cli = parser.parse_args()
+    cases = {
+        "kv_rope_insert": kv_rope_insert_case("v4_packed", 1, 64, "cuda", skip_every=0).args(),
+        "compress_c128": compress_c128_case("v4_packed", 1, 2, "cuda").args(),
+        "stacked_kv_proj": stacked_kv_proj_case(1, 4096, 5, 8, 128, "cuda",
+                                                skip_every=0).args(),
+    }
+    for name, args in cases.items():
+        op = getattr(cute_kernels, name)
+        call_us = _per_call_us(lambda a=args, op=op: op(*a), cli.calls)
+        check_us = _per_call_us(lambda a=args, op=op: op.check(*a), cli.calls)
+        print(f"{name}: {call_us:.1f} us per call, {check_us:.1f} us per check", flush=True)
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(cli.calls):
+            op(*args)
+        profile.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(cli.top)
+
+
+if __name__ == "__main__":
+    main()

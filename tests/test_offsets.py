@@ -1,0 +1,107 @@
+"""Every tensor argument of every op moved by one element off its usual address: the layout
+check either rejects it with a LayoutError naming that argument (before any compile or launch:
+the alignment the kernel is compiled to assume), or accepts it, and then on a GPU the op writes
+exactly the bytes it writes for the unmoved argument."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import cute_kernels
+from cute_kernels import LayoutError
+from cute_kernels.testing import compress_c128_case, kv_rope_insert_case, stacked_kv_proj_case
+
+HAS_CUDA = torch.cuda.is_available()
+
+# op -> (case builder on a device, indices of the output arguments)
+OPS = {
+    "kv_rope_insert": (lambda dev: kv_rope_insert_case("v4_packed", 37, 16, dev).args(), (1,)),
+    "kv_rope_insert_fp8": (lambda dev: kv_rope_insert_case("fp8", 37, 16, dev).args(), (1,)),
+    "compress_c128": (lambda dev: compress_c128_case("bf16", 40, 2, dev).args(), (8,)),
+    "stacked_kv_proj": (lambda dev: stacked_kv_proj_case(37, 256, 2, 2, 128, dev, bias=True,
+                                                         commit=True).args(), (8, 9)),
+}
+
+
+def _offset(t: torch.Tensor, elements: int = 1) -> torch.Tensor:
+    """The same tensor (values, strides, the bytes around it) ``elements`` further on."""
+    size = t.untyped_storage().nbytes() // t.element_size()
+    base = torch.empty(size + elements, dtype=t.dtype, device=t.device)
+    flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
+    base[elements:].copy_(flat)
+    return base.as_strided(t.shape, t.stride(), t.storage_offset() + elements)
+
+
+def _places(args: tuple) -> list[tuple[int, int | None]]:
+    """(argument index, list index or None) of every tensor argument."""
+    places = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            places.append((i, None))
+        elif isinstance(a, (list, tuple)):
+            places += [(i, j) for j in range(len(a))]
+    return places
+
+
+def _moved(args: tuple, place: tuple[int, int | None]) -> tuple:
+    i, j = place
+    moved = list(args)
+    if j is None:
+        moved[i] = _offset(args[i])
+    else:
+        moved[i] = list(args[i])
+        moved[i][j] = _offset(args[i][j])
+    return tuple(moved)
+
+
+def _name(op: str, place: tuple[int, int | None]) -> str:
+    fn = getattr(cute_kernels, op.removesuffix("_fp8"))
+    name = list(inspect.signature(fn).parameters)[place[0]]
+    return name if place[1] is None else f"{name}[{place[1]}]"
+
+
+CASES = [(op, place) for op, (build, _) in OPS.items() for place in _places(build("cpu"))]
+
+
+@pytest.mark.parametrize(("op", "place"), CASES, ids=lambda v: str(v))
+def test_moved_argument_is_named_or_accepted(op, place):
+    check = getattr(cute_kernels, f"check_{op.removesuffix('_fp8')}")
+    args = _moved(OPS[op][0]("cpu"), place)
+    try:
+        check(*args)
+    except LayoutError as err:
+        assert str(err).startswith(f"{_name(op, place)}: expected"), str(err)
+
+
+def _outputs(args: tuple, outputs: tuple[int, ...]) -> list[torch.Tensor]:
+    flat = []
+    for i in outputs:
+        flat += list(args[i]) if isinstance(args[i], (list, tuple)) else [args[i]]
+    return [t.clone() for t in flat]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("op", "place"), CASES, ids=lambda v: str(v))
+def test_moved_argument_gives_identical_bytes(op, place):
+    build, outputs = OPS[op]
+    fn = getattr(cute_kernels, op.removesuffix("_fp8"))
+    baseline = build("cuda")
+    fn(*baseline)
+    torch.cuda.synchronize()
+    want = _outputs(baseline, outputs)
+    args = _moved(build("cuda"), place)
+    try:
+        getattr(cute_kernels, f"check_{op.removesuffix('_fp8')}")(*args)
+    except LayoutError as err:
+        with pytest.raises(LayoutError) as raised:
+            fn(*args)
+        assert str(raised.value) == str(err)
+        return
+    fn(*args)
+    torch.cuda.synchronize()
+    got = _outputs(args, outputs)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
