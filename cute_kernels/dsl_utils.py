@@ -269,16 +269,6 @@ def store_f32x2(addr: Int64, lo: Float32, hi: Float32) -> None:
     )
 
 
-def load_f32x2_l2(addr: Int64) -> tuple:
-    """Two fp32 from an 8-byte aligned byte address, through L2 only (``.cg``): the data was
-    written by another SM during this launch, which this SM's L1 would not see."""
-    return cute.arch.inline_ptx(
-        "ld.global.cg.v2.f32 {{$w0}, {$w1}}, [{$r0}];",
-        write_only_types=[Float32, Float32],
-        read_only_args=[addr],
-    )
-
-
 def atomic_add_release(addr: Int64, value: Int32) -> Int32:
     """``atomicAdd`` at gpu scope after a release fence; returns the old value. Every store
     this thread made (and, through a preceding CTA barrier, its CTA made) is visible to any

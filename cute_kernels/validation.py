@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NoReturn
 
 import torch
 
@@ -21,7 +22,7 @@ class LayoutError(ValueError):
     supports. The message names the argument, what was expected and what was given."""
 
 
-def fail(arg: str, expected: str, got: object) -> None:
+def fail(arg: str, expected: str, got: object) -> NoReturn:
     raise LayoutError(f"{arg}: expected {expected}, got {got}")
 
 
@@ -36,7 +37,7 @@ def describe(value: object) -> str:
 def expect_tensor(t: object, arg: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         fail(arg, "a torch.Tensor", describe(t))
-    return t  # type: ignore[return-value]
+    return t
 
 
 def expect_dtype(t: torch.Tensor, arg: str, *dtypes: torch.dtype) -> None:
@@ -139,7 +140,6 @@ def expect_bool(value: object, arg: str) -> bool:
     if value is True or value is False or (type(value) is int and value in (0, 1)):
         return bool(value)
     fail(arg, "a bool", describe(value))
-    raise AssertionError  # unreachable: fail raises
 
 
 def expect_eps(value: object, arg: str = "eps") -> float:
