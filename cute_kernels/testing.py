@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from .layouts import HEAD_DIM, CacheFormat
-from .reference import stacked_kv_slots
+from .reference import k_norm_rope, stacked_kv_slots
 
 #: Every byte of a fresh output backing (0xA5A5 is a finite bf16, ~ -2.9e-16).
 POISON = 0xA5
@@ -327,6 +327,73 @@ def stacked_kv_proj_case(
     )
 
 
+#: An fp32 accumulation of K bf16 products (each exact) in any order differs from the exact sum
+#: by about 2^-24 * sqrt(K) * sqrt(sum (x_i w_i)^2), 4e-6 of that norm at K = 4096 (measured
+#: flips on the H200: 1.9e-6..3.3e-6 of it). An R1 value whose exact sum lies within this
+#: fraction of that norm of a bf16 rounding midpoint may round either way in a correct kernel.
+R1_MIDPOINT_WINDOW = 1e-5
+#: More near-midpoint R1 values than this in one head is not a rounding-order effect.
+MAX_R1_CANDIDATES = 8
+
+
+def _bf16_neighbours(acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 values just below and just above each float64 value of ``acc`` (non-zero)."""
+    near = acc.to(torch.bfloat16)
+    up = near.double() <= acc  # the other neighbour lies above
+    negative = near < 0
+    # sign-magnitude bits: one step up the pattern moves away from zero
+    step = torch.where(up ^ negative, 1, -1).to(torch.int16)
+    other = (near.view(torch.int16) + step).view(torch.bfloat16)
+    return torch.minimum(near, other), torch.maximum(near, other)
+
+
+def r1_flip_explains(case: StackedKvProjCase, layer: int, row: int, head: int,
+                     got: torch.Tensor) -> bool:
+    """Whether the kernel's K head ``got`` [D] of ``ctx_hidden`` row ``row`` is the reference's
+    norm + RoPE of an R1 that rounds some near-midpoint sums (within R1_MIDPOINT_WINDOW) the
+    other way: every element within 1 ulp for one such choice. Exact sums in float64."""
+    d = got.shape[-1]
+    kv = case.k_caches[0].shape[1] * d
+    lo = layer * 2 * kv + head * d
+    x = case.ctx_hidden[row].double()
+    w = case.weight[lo:lo + d].double()
+    terms = w * x
+    acc = terms.sum(-1)
+    if case.bias is not None:
+        acc = acc + case.bias[lo:lo + d].double()
+    below, above = _bf16_neighbours(acc)
+    midpoint = (below.double() + above.double()) / 2
+    window = R1_MIDPOINT_WINDOW * terms.pow(2).sum(-1).sqrt()
+    candidates = ((acc - midpoint).abs() <= window).nonzero().squeeze(1).tolist()
+    if len(candidates) > MAX_R1_CANDIDATES:
+        return False
+    y = acc.to(torch.bfloat16)
+    table = case.cos_sin_cache[case.positions[row]].float()
+    cos, sin = table[None, None, :d // 2], table[None, None, d // 2:]
+    for choice in range(1 << len(candidates)):
+        flipped = y.clone()
+        for bit, col in enumerate(candidates):
+            flipped[col] = above[col] if choice >> bit & 1 else below[col]
+        want = k_norm_rope(flipped[None, None], case.k_norm_weight[layer], case.eps, cos, sin)
+        if int(ulp_distance(got, want[0, 0]).max()) <= 1:
+            return True
+    return False
+
+
+def _assert_close_or_r1_flip(case: StackedKvProjCase, layer: int | None, rows: torch.Tensor,
+                             got: torch.Tensor, want: torch.Tensor) -> None:
+    """assert_close(rtol=atol=2e-2) of written rows [R, n_kv, D]; a K head outside it passes
+    only when :func:`r1_flip_explains` reproduces it (a summation-order effect, not a bug)."""
+    bad = ~torch.isclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    heads = bad.any(-1).nonzero().tolist()
+    for r, h in heads:
+        if layer is None or not r1_flip_explains(case, layer, int(rows[r]), h, got[r, h]):
+            torch.testing.assert_close(got[r, h].float(), want[r, h].float(), rtol=2e-2,
+                                       atol=2e-2, msg=lambda m, r=r, h=h: (
+                                           f"row {int(rows[r])} head {h} (layer {layer}), not "
+                                           f"explained by an R1 rounding flip: {m}"))
+
+
 def ulp_distance(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     """Distance in bf16 ulps (steps between representable values; +0 and -0 are equal)."""
 
@@ -352,14 +419,18 @@ class Comparison:
 def compare_stacked(case: StackedKvProjCase, ref_k: list[torch.Tensor], ref_v: list[torch.Tensor],
             assert_close: bool = True) -> Comparison:
     """Kernel caches (``case``) against reference caches (same strides). Written rows: ulp
-    statistics and ``assert_close(rtol=atol=2e-2)``; every other row (and the row padding)
-    must still be poison."""
-    _, slots = case.written_rows()
+    statistics and ``assert_close(rtol=atol=2e-2)`` (a K head outside it must be reproduced by
+    the reference with R1 flips of near-midpoint sums, :func:`_assert_close_or_r1_flip`); every
+    other row (and the row padding) must still be poison."""
+    rows, slots = case.written_rows()
     near = total = 0
     max_ulp = 0
     untouched = True
-    for got_c, want_c, got_b in zip((*case.k_caches, *case.v_caches), (*ref_k, *ref_v),
-                                    (*case.k_backings, *case.v_backings), strict=True):
+    # layer index for K caches, None for V caches (V heads are R1 itself: nothing to attribute)
+    layers = (*range(case.num_layers), *([None] * case.num_layers))
+    for layer, got_c, want_c, got_b in zip(layers, (*case.k_caches, *case.v_caches),
+                                           (*ref_k, *ref_v),
+                                           (*case.k_backings, *case.v_backings), strict=True):
         got, want = got_c[slots], want_c[slots]
         if slots.numel():
             d = ulp_distance(got, want)
@@ -367,7 +438,7 @@ def compare_stacked(case: StackedKvProjCase, ref_k: list[torch.Tensor], ref_v: l
             total += d.numel()
             max_ulp = max(max_ulp, int(d.max()))
             if assert_close:
-                torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+                _assert_close_or_r1_flip(case, layer, rows, got, want)
         mask = torch.ones(got_b.numel(), dtype=torch.bool, device=got_b.device)
         stride0 = got_c.stride(0)
         width = got_c.shape[1] * got_c.shape[2]

@@ -115,6 +115,57 @@ def test_skipped_rows_stay_untouched():
     assert result.untouched_equal and result.max_ulp == 0
 
 
+
+def _planted_midpoint_case():
+    """A case whose row 1, layer 0, K head 0 has one exact sum on a bf16 rounding midpoint
+    (element 5: 1 + 2^-8, between 1 and 1 + 2^-7) and exact bf16 sums elsewhere, with a norm
+    weight of 64 so that rounding element 5 the other way moves the output by far more than
+    the 2e-2 tolerance."""
+    case = make_case(4, hidden=256, num_layers=1, n_kv=1, head_dim=64, skip_every=0)
+    case.ctx_hidden[1] = 0
+    case.ctx_hidden[1, :2] = 1.0
+    case.weight[:64, 1] = 0
+    case.weight[5, :2] = torch.tensor([1.0, 2.0 ** -8])
+    case.k_norm_weight[0] = 64.0
+    return case
+
+
+def _write_head(case, head_values) -> None:
+    """Row 1's layer-0 K head of the case's own caches set to ``head_values`` (what a kernel
+    would have written)."""
+    _, slots = case.written_rows()
+    case.k_caches[0][slots[1], 0] = head_values
+
+
+def _head_after_r1(case, y):
+    table = case.cos_sin_cache[case.positions[1]].float()
+    return ref.k_norm_rope(y[None, None], case.k_norm_weight[0], case.eps,
+                           table[None, None, :32], table[None, None, 32:])[0, 0]
+
+
+def test_compare_attributes_an_r1_midpoint_flip_and_nothing_else():
+    """The 2e-2 bound is checked against the reference; a K head outside it passes only when
+    rounding near-midpoint R1 sums the other way reproduces it (testing.r1_flip_explains)."""
+    case = _planted_midpoint_case()
+    _, _, kc, vc = case.twin()
+    ref.stacked_kv_proj(*case.args(kc, vc))
+    ref.stacked_kv_proj(*case.args())
+    y = (case.weight[:64].double() @ case.ctx_hidden[1].double()).to(torch.bfloat16)
+    assert float(y[5]) == 1.0  # round half to even
+    flipped = y.clone()
+    flipped[5] = 1.0 + 2.0 ** -7
+    _write_head(case, _head_after_r1(case, flipped))
+    slot = case.written_rows()[1][1]
+    assert float((case.k_caches[0][slot, 0].float() - kc[0][slot, 0].float()).abs().max()) > 0.1
+    compare(case, kc, vc)  # explained: passes
+
+    wrong = y.clone()
+    wrong[6] = -y[6]  # element 6 is an exact bf16 sum: no rounding order can change it
+    _write_head(case, _head_after_r1(case, wrong))
+    with pytest.raises(AssertionError, match="not explained by an R1 rounding flip"):
+        compare(case, kc, vc)
+
+
 def test_commit_lens_select_rows_and_replace_cache_loc():
     case = make_case(56, commit=True, skip_every=0)
     width = case.cache_loc_2d.shape[1]

@@ -1,8 +1,9 @@
 """Stacked KV projection kernel against the PyTorch reference on the GPU.
 
 Every check compares whole cache backings: written rows >= 99.9 % within 1 bf16 ulp of the
-reference and all within rtol = atol = 2e-2; every other row (and the row padding) still holds
-the poison bytes.
+reference and all within rtol = atol = 2e-2 (a K head outside it only where the reference with
+near-midpoint R1 sums rounded the other way reproduces it: testing.r1_flip_explains); every
+other row (and the row padding) still holds the poison bytes.
 
 Grid pruning (about two minutes on an H200): the full product H x L x n_kv x D x T x bias x
 commit x padding is ~1000 cases of which most exercise the same code. Token counts cross every
@@ -64,10 +65,13 @@ def _check(case, run=None, rounds: int = 2) -> None:
     near = total = max_ulp = 0
     rnd = 0
     while rnd < rounds or (total < MIN_ULP_SAMPLE and rnd < 64):
-        if rnd:
-            case.ctx_hidden.normal_()
-            case.positions.copy_(torch.randint_like(case.positions, 0,
-                                                    case.cos_sin_cache.shape[0]))
+        if rnd:  # fresh inputs, seeded: a failure reproduces
+            gen = torch.Generator(device=case.ctx_hidden.device)
+            gen.manual_seed(1000 * rnd + case.ctx_hidden.numel())
+            case.ctx_hidden.normal_(generator=gen)
+            case.positions.copy_(torch.randint(0, case.cos_sin_cache.shape[0],
+                                               case.positions.shape, generator=gen,
+                                               device=case.positions.device))
         case.poison()
         _, _, ref_k, ref_v = case.twin()  # poisoned copies with the same strides
         hidden_before = case.ctx_hidden.clone()
