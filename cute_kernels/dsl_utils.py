@@ -231,18 +231,60 @@ def store_words(addr: Int64, words: Any, align: int = 16) -> None:
     cute.autovec_copy(words, cute.make_tensor(ptr, cute.make_layout(cute.size(words))))
 
 
-def load_i64_now(addr: Int64) -> Int64:
-    """Load an int64 here, not later: a plain load used only inside a branch is sunk into it by
-    LLVM, which serialises it behind the branch condition's own load. Only for data that is
-    read-only while the kernel runs (``.nc`` path)."""
-    value = llvm.inline_asm(
-        Int64.mlir_type,
-        [Int64(addr).ir_value()],
-        "ld.global.nc.b64 $0, [$1];",
-        "=l,l",
-        has_side_effects=True,
+def unpack_bf16x2(word: Uint32) -> tuple[Float32, Float32]:
+    """One 32-bit word of two bf16 -> (low half, high half) as fp32 (exact)."""
+    return cute.arch.inline_ptx(
+        "shl.b32 {$w0}, {$r0}, 16; and.b32 {$w1}, {$r0}, 0xFFFF0000;",
+        write_only_types=[Float32, Float32],
+        read_only_args=[word],
     )
-    return Int64(value)
+
+
+# -- asynchronous global -> shared copies (a per-thread cp.async ring) ---------------------------
+# Written as PTX so that the copies, the group fences and the shared loads stay in program order
+# (each is a side-effecting asm statement the compiler does not move across another).
+
+
+def cp_async_16(smem_addr: Int32, gmem_addr: Int64) -> None:
+    """16 bytes global -> shared, L2 only (``.cg``: each byte is read once)."""
+    cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;",
+                         read_only_args=[smem_addr, gmem_addr])
+
+
+def cp_async_commit() -> None:
+    """Close this thread's current group of copies (an empty group is legal)."""
+    cute.arch.inline_ptx("cp.async.commit_group;")
+
+
+def cp_async_wait(pending: int) -> None:
+    """Wait until at most ``pending`` of this thread's most recent groups are in flight."""
+    cute.arch.inline_ptx(f"cp.async.wait_group {pending};")
+
+
+def load_shared_v4(smem_addr: Int32, dtype: type = Uint32) -> tuple:
+    """Four 32-bit values (``Uint32`` or ``Float32``) from a 16-byte aligned shared address,
+    one load."""
+    return cute.arch.inline_ptx(
+        "ld.shared.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[dtype] * 4,
+        read_only_args=[smem_addr],
+    )
+
+
+def store_shared_v4(smem_addr: Int32, w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32) -> None:
+    """Four 32-bit words to a 16-byte aligned shared address, one store."""
+    cute.arch.inline_ptx("st.shared.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+                         read_only_args=[smem_addr, w0, w1, w2, w3])
+
+
+def store_shared_i64x2(smem_addr: Int32, a: Int64, b: Int64) -> None:
+    cute.arch.inline_ptx("st.shared.v2.b64 [{$r0}], {{$r1}, {$r2}};",
+                         read_only_args=[smem_addr, a, b])
+
+
+def load_shared_i64x2(smem_addr: Int32) -> tuple[Int64, Int64]:
+    return cute.arch.inline_ptx("ld.shared.v2.b64 {{$w0}, {$w1}}, [{$r0}];",
+                                write_only_types=[Int64, Int64], read_only_args=[smem_addr])
 
 
 def load_peer_f32(smem_addr: Int32, peer_rank: Int32) -> Float32:

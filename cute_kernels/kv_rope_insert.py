@@ -1,7 +1,8 @@
 """Zero-query-head KV insert of DeepSeek V4 / V4.1 (DSpark context insertion).
 
 RoPE (GPT-J pairs on dims 448..511) + quantisation of bf16 ``kv`` rows ``[T, 512]`` into one of
-four paged cache formats, one warp per slot at every token count. Contract: specs/kv_rope_insert.md.
+four paged cache formats by resident warps that each keep several slots in flight. Contract:
+specs/kv_rope_insert.md.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32, const_expr
 
 from . import dsl_utils as du
-from .arch import arch_for
+from .arch import arch_for, sm_count
 from .compile_cache import KernelCache
 from .layouts import (
     CACHE_DTYPES,
@@ -54,22 +55,37 @@ class KvRopeInsertKey:
 
 
 class KvRopeInsert:
-    """One warp per (token, slot); lane ``L`` owns dims ``[16L, 16L + 16)``.
+    """Resident warps striding over the slots; lane ``L`` owns dims ``[16L, 16L + 16)``.
 
     Lanes 0..27 hold NoPE dims, lanes 28..31 the 64 RoPE dims (8 GPT-J pairs each). A group
     max is a butterfly over the lanes of one quantisation group (4 lanes = 64 dims for V4, 2
-    lanes = 32 dims for V4.1). Each lane moves its data with 16-byte vectors, so a warp reads one
-    contiguous 1 KiB kv row and writes whole 16-byte sectors of the record.
+    lanes = 32 dims for V4.1).
+
+    Each warp keeps ``STAGES - 1`` slots' inputs in flight in a ``cp.async`` ring in shared
+    memory while it rotates, quantises and stores the current one. The slot and position of
+    the warp's next 32 slots are loaded a chunk ahead (one per lane), so the cos/sin row of a
+    slot is requested together with its kv row: nothing waits on a chain of dependent loads,
+    and the bytes in flight per SM do not depend on registers.
     """
 
-    WARPS_PER_CTA = 8  # 256 threads: enough CTAs at T = 1 .. 262144 without a tail wave problem
-    # The op is bound by how many bytes each SM keeps in flight; a warp holds its loads for one
-    # slot only, so throughput scales with resident warps. 8 CTAs x 256 threads = the full 2048
-    # threads of an SM, which caps ptxas at 32 registers per thread.
-    MIN_CTAS_PER_SM = 8
+    WARPS_PER_CTA = 8
+    # The op is bound by the bytes each SM keeps in flight: 32 resident warps x 3 slots ahead
+    # (about 120 KiB per SM). 4 CTAs of 256 threads leave ptxas 64 registers a thread.
+    CTAS_PER_SM = 4
+    STAGES = 4  # a power of two: the ring index is a mask
+    HEADER_BYTES = 16  # slot (int64) and position (int64)
+    ROW_BYTES = 2 * HEAD_DIM  # the bf16 kv row
+    CS_BYTES = 4 * ROPE_DIM  # a cos/sin row: 32 cos then 32 sin (fp32)
     DIMS_PER_LANE = HEAD_DIM // 32
     ROPE_FIRST_LANE = NOPE_DIM // DIMS_PER_LANE  # 28
+    ROPE_LANES = 32 - ROPE_FIRST_LANE
     PAIRS_PER_LANE = DIMS_PER_LANE // 2  # 8 (cos, sin) pairs per RoPE lane
+    STAGE_BYTES = HEADER_BYTES + ROW_BYTES + CS_BYTES
+    RING_BYTES = WARPS_PER_CTA * STAGES * STAGE_BYTES
+    # Shared memory of an SM on sm_90 and sm_100 is 228 KiB, carved out of the 256 KiB it shares
+    # with L1: ask for what the resident CTAs' rings need (plus the 1 KiB the driver reserves
+    # per CTA) and leave the rest to L1.
+    SMEM_CARVEOUT_PERCENT = -(-100 * CTAS_PER_SM * (RING_BYTES + 1024) // (228 * 1024))
 
     def __init__(self, fmt: CacheFormat) -> None:
         self.fmt = fmt
@@ -88,16 +104,18 @@ class KvRopeInsert:
         mCosSin: cute.Tensor,
         mCache: cute.Tensor,
         mScale: cute.Tensor | None,
+        grid_ctas: Int32,
         stream: cuda.CUstream,
     ) -> None:
-        num_slots = mSlot.shape[0]
+        """``grid_ctas``: min(slots / WARPS_PER_CTA rounded up, SMs x CTAS_PER_SM), from the
+        host: every CTA resident at once, and no warp without a slot."""
         self.kernel(mKV, mSlot, mPos, mCosSin, mCache, mScale).launch(
-            grid=[cute.ceil_div(num_slots, self.WARPS_PER_CTA), 1, 1],
+            grid=[grid_ctas, 1, 1],
             block=[32 * self.WARPS_PER_CTA, 1, 1],
             stream=stream,
             use_pdl=True,  # overlap our launch with the tail of the previous kernel
-            min_blocks_per_mp=self.MIN_CTAS_PER_SM,
-            preferred_smem_carveout=0,  # no shared memory: give the SM's unified memory to L1
+            min_blocks_per_mp=self.CTAS_PER_SM,
+            preferred_smem_carveout=self.SMEM_CARVEOUT_PERCENT,
         )
 
     @cute.kernel
@@ -113,59 +131,165 @@ class KvRopeInsert:
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         cta, _, _ = cute.arch.block_idx()
-        token = cta * self.WARPS_PER_CTA + warp
+        num_ctas, _, _ = cute.arch.grid_dim()
+        smem = cutlass.memory.SmemAllocator()
+        sRing = smem.allocate_tensor(Uint8, cute.make_layout(self.RING_BYTES), byte_alignment=16)
+        ring = Int32(sRing.iterator.toint()) + warp * (self.STAGES * self.STAGE_BYTES)
+        num_slots = mSlot.shape[0]
+        # Slot t goes to warp t mod (all warps): at any moment the warps read one contiguous
+        # stretch of kv rows (measured 1-2 % faster than contiguous ranges per warp).
+        first = cta * self.WARPS_PER_CTA + warp
+        stride = num_ctas * self.WARPS_PER_CTA
+        items = cutlass.select_(first < num_slots, (num_slots - 1 - first) // stride + 1, 0)
+        # (slot, position) of item 32c + lane of the chunk being fetched, then of the next one
+        tCrChunk = cute.make_rmem_tensor((4,), Int64)
         # PDL: nothing before this reads memory the previous kernel may still be writing.
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
-        if token < mSlot.shape[0]:
-            # The slot, the position and the kv row are independent loads: issue them together
-            # so a warp waits for two DRAM round trips (these, then cos/sin), not four.
-            slot = mSlot[token]
-            position = du.load_i64_now(mPos.iterator.toint() + Int64(token) * 8)
-            tXgX = cute.local_tile(mKV[token, None], (self.DIMS_PER_LANE,), (lane,))
-            tXrX = cute.make_rmem_tensor((self.DIMS_PER_LANE,), BFloat16)
-            cute.autovec_copy(tXgX, tXrX)
-            if slot >= 0:
-                tXrF = cute.make_rmem_tensor((self.DIMS_PER_LANE,), Float32)
-                tXrF.store(tXrX.load().to(Float32))
-                is_rope_lane = lane >= self.ROPE_FIRST_LANE
-                if is_rope_lane:  # skipped rows may carry any position: read cos/sin only here
-                    self.apply_rope(tXrF, mCosSin, position, lane)
-
-                block_size = Int64(mCache.shape[1])
-                page_index = slot // block_size
-                row = slot - page_index * block_size
-                page = mCache.iterator.toint() + page_index * mCache.stride[0]
-                if const_expr(self.fmt.packed):
-                    self.store_packed(tXrF, page, row, block_size, lane, is_rope_lane)
+        self.load_chunk(mSlot, mPos, tCrChunk, lane, 0, first, stride, items)
+        for ahead in cutlass.range_constexpr(self.STAGES - 1):
+            if ahead < items:
+                self.fetch(mKV, mSlot, mPos, mCosSin, tCrChunk, ring, ahead, first, stride,
+                           items, lane)
+            du.cp_async_commit()
+        for i in cutlass.range(items, unroll=1):
+            ahead = i + self.STAGES - 1
+            if ahead < items:
+                self.fetch(mKV, mSlot, mPos, mCosSin, tCrChunk, ring, ahead, first, stride,
+                           items, lane)
+            du.cp_async_commit()  # one group per item: group i is the oldest pending
+            du.cp_async_wait(self.STAGES - 1)
+            cute.arch.sync_warp()  # every lane's copies and lane 0's header are visible
+            stage = ring + (i % self.STAGES) * self.STAGE_BYTES
+            slot, _ = du.load_shared_i64x2(stage)
+            is_rope_lane = lane >= self.ROPE_FIRST_LANE
+            if slot >= 0:  # the same in every lane
+                page, row = self.record_of(mCache, slot)
+                if const_expr(self.fmt is CacheFormat.BF16):
+                    if is_rope_lane:
+                        tXrF = self.load_row(stage, lane)
+                        self.apply_rope(tXrF, self.cos_sin_addr(stage, lane))
+                        self.store_row(stage, lane, tXrF)  # back into the stage, as bf16
+                    cute.arch.sync_warp()
+                    self.store_bf16(stage, page + row * mCache.stride[1], lane)
                 else:
-                    row_start = page + row * mCache.stride[1]
-                    if const_expr(self.fmt is CacheFormat.BF16):
-                        row_addr = row_start + lane * (2 * self.DIMS_PER_LANE)
-                        self.store_bf16(tXrF, row_addr)
+                    tXrF = self.load_row(stage, lane)
+                    if is_rope_lane:
+                        self.apply_rope(tXrF, self.cos_sin_addr(stage, lane))
+                    if const_expr(self.fmt.packed):
+                        self.store_packed(stage, tXrF, page, row, Int64(mCache.shape[1]),
+                                          lane, is_rope_lane)
                     else:
-                        row_addr = row_start + lane * self.DIMS_PER_LANE
-                        self.store_fp8(tXrF, mScale, row_addr)
+                        self.store_fp8(tXrF, mScale,
+                                       page + row * mCache.stride[1] + lane * self.DIMS_PER_LANE)
+            cute.arch.sync_warp()  # every lane is done with the stage before it is refilled
 
     @cute.jit
-    def apply_rope(
-        self, tXrF: cute.Tensor, mCosSin: cute.Tensor, position: Int64, lane: Int32
-    ) -> None:
-        """GPT-J rotation of this lane's 8 pairs with cos/sin row ``position`` (cos | sin).
+    def load_row(self, stage: Int32, lane: Int32) -> cute.Tensor:
+        """This lane's 16 kv values (dims 16L..16L + 15) from ``stage``, as fp32 (exact)."""
+        tXrF = cute.make_rmem_tensor((self.DIMS_PER_LANE,), Float32)
+        for half in cutlass.range_constexpr(2):
+            words = du.load_shared_v4(self.row_chunk(stage, 2 * lane + half))
+            for w in cutlass.range_constexpr(4):
+                e = 8 * half + 2 * w
+                tXrF[e], tXrF[e + 1] = du.unpack_bf16x2(words[w])
+        return tXrF
 
-        Two rounds of 4 pairs, one 16-byte cos and one 16-byte sin vector each: holding all 16
-        cos/sin values next to the 16 data values would not fit the 32 registers that full
-        occupancy allows."""
-        gCS = mCosSin[position, None]
-        first_pair = (lane - self.ROPE_FIRST_LANE) * self.PAIRS_PER_LANE
-        tCrC = cute.make_rmem_tensor((4,), Float32)
-        tCrS = cute.make_rmem_tensor((4,), Float32)
-        for half in cutlass.range_constexpr(self.PAIRS_PER_LANE // 4):
-            pair = first_pair + 4 * half
-            cute.autovec_copy(cute.local_tile(gCS, (4,), (pair // 4,)), tCrC)
-            cute.autovec_copy(cute.local_tile(gCS, (4,), ((pair + ROPE_DIM // 2) // 4,)), tCrS)
+    @cute.jit
+    def store_row(self, stage: Int32, lane: Int32, tXrF: cute.Tensor) -> None:
+        """This lane's 16 values, rounded to bf16 (RNE), back into its chunks of ``stage``."""
+        for half in cutlass.range_constexpr(2):
+            e = 8 * half
+            du.store_shared_v4(
+                self.row_chunk(stage, 2 * lane + half),
+                du.pack_bf16x2(tXrF[e], tXrF[e + 1]), du.pack_bf16x2(tXrF[e + 2], tXrF[e + 3]),
+                du.pack_bf16x2(tXrF[e + 4], tXrF[e + 5]), du.pack_bf16x2(tXrF[e + 6], tXrF[e + 7]),
+            )
+
+    @cute.jit
+    def copy_chunk_out(self, stage: Int32, chunk: Int32, addr: Int64) -> None:
+        """16-byte chunk ``chunk`` of the stage's row to global address ``addr``."""
+        words = du.load_shared_v4(self.row_chunk(stage, chunk))
+        tXrW = cute.make_rmem_tensor((4,), Uint32)
+        for w in cutlass.range_constexpr(4):
+            tXrW[w] = words[w]
+        du.store_words(addr, tXrW)
+
+    @cute.jit
+    def record_of(self, mCache: cute.Tensor, slot: Int64) -> tuple[Int64, Int64]:
+        """(page base address, row in the page) of ``slot``."""
+        block_size = Int64(mCache.shape[1])
+        page_index = slot // block_size
+        page = mCache.iterator.toint() + page_index * mCache.stride[0]
+        return page, slot - page_index * block_size
+
+    def row_chunk(self, stage: Int32, chunk: Int32) -> Int32:
+        """Where 16-byte chunk ``chunk`` (0..63) of the kv row lives in ``stage``, swizzled:
+        the copies write chunks 32h + L (lane L, instruction h: 512 contiguous global bytes
+        each) and lane L reads back its chunks 2L and 2L + 1; flipping bit 0 of the 16-byte
+        slot in every odd group of 8 chunks keeps both free of shared-memory bank conflicts."""
+        return stage + self.HEADER_BYTES + 16 * (chunk ^ ((chunk >> 3) & 1))
+
+    def cos_sin_addr(self, stage: Int32, lane: Int32) -> Int32:
+        """A RoPE lane's 8 cos values in ``stage`` (its 8 sin values are CS_BYTES / 2 on)."""
+        return (stage + self.HEADER_BYTES + self.ROW_BYTES
+                + (lane - self.ROPE_FIRST_LANE) * 4 * self.PAIRS_PER_LANE)
+
+    @cute.jit
+    def load_chunk(
+        self, mSlot: cute.Tensor, mPos: cute.Tensor, tCrChunk: cute.Tensor, lane: Int32,
+        chunk_start: Int32, first: Int32, stride: Int32, items: Int32,
+    ) -> None:
+        """Lane L loads (slot, position) of this warp's item ``chunk_start + L`` into the "next"
+        half of ``tCrChunk`` (slot -1 past the warp's last item): plain loads, used when the
+        fetches reach that chunk."""
+        item = chunk_start + lane
+        tCrChunk[2] = Int64(-1)
+        tCrChunk[3] = Int64(0)
+        if item < items:
+            token = first + item * stride
+            tCrChunk[2] = mSlot[token]
+            tCrChunk[3] = mPos[token]
+
+    @cute.jit
+    def fetch(
+        self, mKV: cute.Tensor, mSlot: cute.Tensor, mPos: cute.Tensor, mCosSin: cute.Tensor,
+        tCrChunk: cute.Tensor, ring: Int32, item: Int32, first: Int32, stride: Int32,
+        items: Int32, lane: Int32,
+    ) -> None:
+        """Start the copies of item ``item``'s inputs into ring stage ``item % STAGES``: the
+        header (slot, position) from the chunk registers, the kv row (each instruction 512
+        contiguous bytes: whole sectors), and for a slot that is written its cos/sin row."""
+        if item % 32 == 0:  # enter the next chunk, and start loading the one after it
+            tCrChunk[0] = tCrChunk[2]
+            tCrChunk[1] = tCrChunk[3]
+            self.load_chunk(mSlot, mPos, tCrChunk, lane, item + 32, first, stride, items)
+        slot = cute.arch.shuffle_sync(tCrChunk[0], offset=item % 32)
+        position = cute.arch.shuffle_sync(tCrChunk[1], offset=item % 32)
+        stage = ring + (item % self.STAGES) * self.STAGE_BYTES
+        if lane == 0:
+            du.store_shared_i64x2(stage, slot, position)
+        row = mKV.iterator.toint() + Int64(first + item * stride) * self.ROW_BYTES
+        for half in cutlass.range_constexpr(2):
+            chunk = 32 * half + lane
+            du.cp_async_16(self.row_chunk(stage, chunk), row + 16 * chunk)
+        if (lane >= self.ROPE_FIRST_LANE) & (slot >= 0):  # a skipped row's position: any value
+            # the 256-byte row as is, 64 contiguous bytes (two whole sectors) an instruction
+            table = mCosSin.iterator.toint() + position * (4 * ROPE_DIM)
+            cs = stage + self.HEADER_BYTES + self.ROW_BYTES
+            for k in cutlass.range_constexpr(self.CS_BYTES // (16 * self.ROPE_LANES)):
+                chunk = self.ROPE_LANES * k + lane - self.ROPE_FIRST_LANE
+                du.cp_async_16(cs + 16 * chunk, table + 16 * chunk)
+
+    @cute.jit
+    def apply_rope(self, tXrF: cute.Tensor, cos: Int32) -> None:
+        """GPT-J rotation of this lane's 8 pairs with its cos values at shared address ``cos``
+        (and sin values CS_BYTES / 2 after), in two rounds of 4 pairs (fewer live registers)."""
+        for part in cutlass.range_constexpr(2):
+            tCrC = du.load_shared_v4(cos + 16 * part, Float32)
+            tCrS = du.load_shared_v4(cos + self.CS_BYTES // 2 + 16 * part, Float32)
             for j in cutlass.range_constexpr(4):
-                e = 2 * (4 * half + j)
+                e = 2 * (4 * part + j)
                 tXrF[e], tXrF[e + 1] = du.rotate_pair(tXrF[e], tXrF[e + 1], tCrC[j], tCrS[j])
 
     @cute.jit
@@ -191,6 +315,7 @@ class KvRopeInsert:
     @cute.jit
     def store_packed(
         self,
+        stage: Int32,
         tXrF: cute.Tensor,
         page: Int64,
         row: Int64,
@@ -209,15 +334,15 @@ class KvRopeInsert:
             du.store_words(record + lane * self.DIMS_PER_LANE, tXrQ)
         else:
             exponent = self.quantize_group(tXrF, tXrQ)  # RoPE lanes' group 7 is never stored
-            if is_rope_lane:
-                tXrB = cute.make_rmem_tensor((self.DIMS_PER_LANE // 2,), Uint32)
-                for w in cutlass.range_constexpr(self.DIMS_PER_LANE // 2):
-                    tXrB[w] = du.pack_bf16x2(tXrF[2 * w], tXrF[2 * w + 1])
-                rope_addr = record + NOPE_DIM + (lane - self.ROPE_FIRST_LANE) * 32
-                du.store_words(rope_addr, cute.local_tile(tXrB, (4,), (0,)))
-                du.store_words(rope_addr + 16, cute.local_tile(tXrB, (4,), (1,)))
+            if is_rope_lane:  # the 128 bytes of bf16 RoPE dims leave through the stage, so
+                self.store_row(stage, lane, tXrF)  # 8 lanes store them as whole sectors
             else:
                 du.store_words(record + lane * self.DIMS_PER_LANE, tXrQ)
+            cute.arch.sync_warp()
+            rope_chunks = ROPE_DIM * 2 // 16
+            if lane < rope_chunks:
+                self.copy_chunk_out(stage, self.ROW_BYTES // 16 - rope_chunks + lane,
+                                    record + NOPE_DIM + 16 * lane)
         # Scale bytes: word j of the row holds groups 4j..4j+3; group g's exponent lives in lane
         # g * group_lanes. Every lane joins the shuffles; lanes 0..words-1 store one word each, so
         # the row's scale bytes leave in one coalesced store. (V4: lane 28 owns "group 7", the
@@ -239,15 +364,13 @@ class KvRopeInsert:
             ptr.store(packed)
 
     @cute.jit
-    def store_bf16(self, tXrF: cute.Tensor, row_addr: Int64) -> None:
-        """NoPE dims: the input bits unchanged (bf16 -> fp32 -> bf16 is exact, so the fp32 copy
-        is re-packed rather than keeping the raw registers alive); RoPE dims: RNE of the fp32
-        rotation."""
-        tXrB = cute.make_rmem_tensor((self.DIMS_PER_LANE // 2,), Uint32)
-        for w in cutlass.range_constexpr(self.DIMS_PER_LANE // 2):
-            tXrB[w] = du.pack_bf16x2(tXrF[2 * w], tXrF[2 * w + 1])
-        du.store_words(row_addr, cute.local_tile(tXrB, (4,), (0,)))
-        du.store_words(row_addr + 16, cute.local_tile(tXrB, (4,), (1,)))
+    def store_bf16(self, stage: Int32, row_addr: Int64, lane: Int32) -> None:
+        """The stage's row (NoPE dims the input bits unchanged, RoPE dims rotated and rounded
+        by :meth:`store_row`) to the cache row: lane L stores chunks L and 32 + L, so each
+        store instruction writes 512 contiguous bytes."""
+        for half in cutlass.range_constexpr(2):
+            chunk = 32 * half + lane
+            self.copy_chunk_out(stage, chunk, row_addr + 16 * chunk)
 
     @cute.jit
     def store_fp8(self, tXrF: cute.Tensor, mScale: cute.Tensor, row_addr: Int64) -> None:
@@ -284,8 +407,8 @@ def _build(key: KvRopeInsertKey):
     if fmt is CacheFormat.FP8:
         scale = du.fake_row_major(Float32, (1,), align=ALIGN["fp8_scale"])
     return du.compile_tvm_ffi(
-        KvRopeInsert(fmt), kv, slots, positions, cos_sin, cache, scale, du.env_stream(),
-        arch=key.arch,
+        KvRopeInsert(fmt), kv, slots, positions, cos_sin, cache, scale, Int32(1),
+        du.env_stream(), arch=key.arch,
     )
 
 
@@ -302,7 +425,9 @@ def _launch(key: KvRopeInsertKey, args: tuple) -> None:
         return
     cache_bytes = k_cache if k_cache.dtype == torch.uint8 else k_cache.view(torch.uint8)
     scale = fp8_scale.reshape(1) if key.cache_format is CacheFormat.FP8 else None
-    KERNELS.get(key)(kv, slot_mapping, positions, cos_sin_cache, cache_bytes, scale)
+    warps = -(-slot_mapping.shape[0] // KvRopeInsert.WARPS_PER_CTA)
+    grid_ctas = min(warps, sm_count(kv.device) * KvRopeInsert.CTAS_PER_SM)
+    KERNELS.get(key)(kv, slot_mapping, positions, cos_sin_cache, cache_bytes, scale, grid_ctas)
 
 
 @cute_op("kv_rope_insert", mutates_args=("k_cache",), launch=_launch)
