@@ -425,8 +425,8 @@ def _launch(key: KvRopeInsertKey, args: tuple) -> None:
         return
     cache_bytes = k_cache if k_cache.dtype == torch.uint8 else k_cache.view(torch.uint8)
     scale = fp8_scale.reshape(1) if key.cache_format is CacheFormat.FP8 else None
-    warps = -(-slot_mapping.shape[0] // KvRopeInsert.WARPS_PER_CTA)
-    grid_ctas = min(warps, sm_count(kv.device) * KvRopeInsert.CTAS_PER_SM)
+    one_slot_per_warp = -(-slot_mapping.shape[0] // KvRopeInsert.WARPS_PER_CTA)
+    grid_ctas = min(one_slot_per_warp, sm_count(kv.device) * KvRopeInsert.CTAS_PER_SM)
     KERNELS.get(key)(kv, slot_mapping, positions, cos_sin_cache, cache_bytes, scale, grid_ctas)
 
 

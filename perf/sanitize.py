@@ -19,17 +19,24 @@ import torch
 def _kv_rope_insert() -> int:
     import cute_kernels
     from cute_kernels import reference
+    from cute_kernels.arch import sm_count
+    from cute_kernels.kv_rope_insert import KvRopeInsert
     from cute_kernels.layouts import CacheFormat
     from cute_kernels.testing import kv_rope_insert_case
 
+    # 37 slots: one per warp; 33 slots a warp: every warp wraps its ring and crosses a chunk
+    warps = sm_count(torch.device("cuda")) * KvRopeInsert.CTAS_PER_SM * KvRopeInsert.WARPS_PER_CTA
+    sizes = (37, 33 * warps + 37)
     for fmt in CacheFormat:
-        case = kv_rope_insert_case(fmt, 37, 16, "cuda")
-        ref_backing, ref_cache = case.twin()
-        reference.kv_rope_insert(*case.args(ref_cache))
-        cute_kernels.kv_rope_insert(*case.args())
-        torch.cuda.synchronize()
-        assert torch.equal(case.backing.view(torch.uint8), ref_backing.view(torch.uint8)), fmt
-    return len(CacheFormat)
+        for slots in sizes:
+            case = kv_rope_insert_case(fmt, slots, 16, "cuda")
+            ref_backing, ref_cache = case.twin()
+            reference.kv_rope_insert(*case.args(ref_cache))
+            cute_kernels.kv_rope_insert(*case.args())
+            torch.cuda.synchronize()
+            assert torch.equal(case.backing.view(torch.uint8),
+                               ref_backing.view(torch.uint8)), (fmt, slots)
+    return len(CacheFormat) * len(sizes)
 
 
 def _compress_c128() -> int:

@@ -7,6 +7,8 @@ import torch
 
 import cute_kernels
 from cute_kernels import reference
+from cute_kernels.arch import sm_count
+from cute_kernels.kv_rope_insert import KvRopeInsert
 from cute_kernels.layouts import CacheFormat
 from cute_kernels.testing import kv_rope_insert_case as make_case
 
@@ -46,6 +48,22 @@ def _check_rounds(case, run) -> None:
 def test_byte_exact(fmt, num_slots, block_size):
     case = make_case(fmt, num_slots, block_size, "cuda")
     _check_rounds(case, lambda: cute_kernels.kv_rope_insert(*case.args()))
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_byte_exact_with_many_slots_per_warp(fmt):
+    """Every warp strides over more than one 32-slot chunk of (slot, position) registers and
+    wraps its ring many times; skipped rows carry positions far outside the cos/sin table,
+    which the kernel must never read (an out-of-bounds read faults)."""
+    warps = sm_count(torch.device("cuda")) * KvRopeInsert.CTAS_PER_SM * KvRopeInsert.WARPS_PER_CTA
+    case = make_case(fmt, 33 * warps + 37, 64, "cuda", extra_rows=5)
+    case.positions[::5] = 1 << 40  # the rows whose slot is -1 (skip_every = 5)
+    assert bool((case.slot_mapping[::5] == -1).all())
+    ref_backing, ref_cache = case.twin()
+    reference.kv_rope_insert(*case.args(ref_cache))
+    cute_kernels.kv_rope_insert(*case.args())
+    torch.cuda.synchronize()
+    assert torch.equal(case.backing.view(torch.uint8), ref_backing.view(torch.uint8))
 
 
 @pytest.mark.parametrize("num_slots", [1, 1024, 4097])
