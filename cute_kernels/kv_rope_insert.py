@@ -260,19 +260,21 @@ class KvRopeInsert:
         """Start the copies of item ``item``'s inputs into ring stage ``item % STAGES``: the
         header (slot, position) from the chunk registers, the kv row (each instruction 512
         contiguous bytes: whole sectors), and for a slot that is written its cos/sin row."""
+        stage = ring + (item % self.STAGES) * self.STAGE_BYTES
+        # the kv row first: its address needs no load (the first slots' copies start while the
+        # chunk's slot/position loads are still in flight)
+        row = mKV.iterator.toint() + Int64(first + item * stride) * self.ROW_BYTES
+        for half in cutlass.range_constexpr(2):
+            chunk = 32 * half + lane
+            du.cp_async_16(self.row_chunk(stage, chunk), row + 16 * chunk)
         if item % 32 == 0:  # enter the next chunk, and start loading the one after it
             tCrChunk[0] = tCrChunk[2]
             tCrChunk[1] = tCrChunk[3]
             self.load_chunk(mSlot, mPos, tCrChunk, lane, item + 32, first, stride, items)
         slot = cute.arch.shuffle_sync(tCrChunk[0], offset=item % 32)
         position = cute.arch.shuffle_sync(tCrChunk[1], offset=item % 32)
-        stage = ring + (item % self.STAGES) * self.STAGE_BYTES
         if lane == 0:
             du.store_shared_i64x2(stage, slot, position)
-        row = mKV.iterator.toint() + Int64(first + item * stride) * self.ROW_BYTES
-        for half in cutlass.range_constexpr(2):
-            chunk = 32 * half + lane
-            du.cp_async_16(self.row_chunk(stage, chunk), row + 16 * chunk)
         if (lane >= self.ROPE_FIRST_LANE) & (slot >= 0):  # a skipped row's position: any value
             # the 256-byte row as is, 64 contiguous bytes (two whole sectors) an instruction
             table = mCosSin.iterator.toint() + position * (4 * ROPE_DIM)
