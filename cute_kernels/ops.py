@@ -39,6 +39,8 @@ from .validation import fail
 NAMESPACE = "cute_kernels"
 #: Layouts remembered per op (a serving process sees a handful; the bound only caps memory).
 MAX_REMEMBERED_LAYOUTS = 4096
+#: The device type the op launches on (``perf/host_cpu.py`` times the host path on CPU tensors).
+LAUNCH_DEVICE_TYPE = "cuda"
 
 
 def _meta(value: object) -> object:
@@ -97,7 +99,7 @@ def cute_op(
                 key = None
             if key is None:
                 key = validate(*args)
-                if args[0].device.type != "cuda":
+                if args[0].device.type != LAUNCH_DEVICE_TYPE:
                     fail(first, "a CUDA tensor", f"device {args[0].device}")
                 remember(accepted, sig, key)
             launch(key, args)
