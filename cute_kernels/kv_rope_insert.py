@@ -7,6 +7,7 @@ four paged cache formats, one warp per slot at every token count. Contract: spec
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -296,16 +297,43 @@ def _variants(arch: str) -> list[KvRopeInsertKey]:
 KERNELS = KernelCache("kv_rope_insert", _build, _variants)
 
 
-def _launch(key: KvRopeInsertKey, args: tuple) -> None:
-    kv, k_cache, slot_mapping, positions, cos_sin_cache, _, fp8_scale, _ = args
+def _skip(args: tuple) -> None:
+    return None
+
+
+def _launch(key: KvRopeInsertKey, args: tuple) -> Callable[[tuple], None]:
+    """The launch of every call of the layout of ``args`` (see ``ops.cute_op``): the compiled
+    function is looked up once; a byte view of a bf16/fp8 cache, and a 1-D view of a scale of
+    another shape, are made per call."""
+    _, k_cache, slot_mapping, _, _, _, fp8_scale, _ = args
     if slot_mapping.shape[0] == 0:
-        return
-    cache_bytes = k_cache if k_cache.dtype == torch.uint8 else k_cache.view(torch.uint8)
-    scale = fp8_scale.reshape(1) if key.cache_format is CacheFormat.FP8 else None
-    KERNELS.get(key)(kv, slot_mapping, positions, cos_sin_cache, cache_bytes, scale)
+        return _skip
+    fn = KERNELS.get(key)
+    if key.cache_format is CacheFormat.FP8:
+        flat = fp8_scale.shape != (1,)
+
+        def launch_fp8(args: tuple) -> None:
+            kv, k_cache, slot_mapping, positions, cos_sin_cache, _, fp8_scale, _ = args
+            fn(kv, slot_mapping, positions, cos_sin_cache, k_cache.view(torch.uint8),
+               fp8_scale.reshape(1) if flat else fp8_scale)
+
+        return launch_fp8
+    if k_cache.dtype != torch.uint8:
+
+        def launch_view(args: tuple) -> None:
+            kv, k_cache, slot_mapping, positions, cos_sin_cache, _, _, _ = args
+            fn(kv, slot_mapping, positions, cos_sin_cache, k_cache.view(torch.uint8), None)
+
+        return launch_view
+
+    def launch(args: tuple) -> None:
+        kv, k_cache, slot_mapping, positions, cos_sin_cache, _, _, _ = args
+        fn(kv, slot_mapping, positions, cos_sin_cache, k_cache, None)
+
+    return launch
 
 
-@cute_op("kv_rope_insert", mutates_args=("k_cache",), launch=_launch)
+@cute_op("kv_rope_insert", mutates_args=("k_cache",), prepare=_launch)
 def kv_rope_insert(
     kv: torch.Tensor,
     k_cache: torch.Tensor,

@@ -20,8 +20,6 @@ from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from unittest import mock
 
-import torch
-
 import cute_kernels
 from cute_kernels import compile_cache, ops
 from cute_kernels.arch import ARCH_ENV
@@ -53,6 +51,8 @@ def cpu_launches() -> Iterator[None]:
         stack.enter_context(mock.patch.object(ops, "LAUNCH_DEVICE_TYPE", "cpu"))
         stack.enter_context(mock.patch("torch.cuda.current_device", lambda: 0))
         stack.enter_context(mock.patch("torch.cuda.current_stream", lambda *a: stream))
+        stack.enter_context(mock.patch("cute_kernels.stacked_kv_proj.interface._raw_stream",
+                                       lambda index: stream.cuda_stream))
         stack.enter_context(mock.patch("torch.cuda.is_current_stream_capturing", lambda: False))
         stack.enter_context(mock.patch("cute_kernels.arch._sm_counts", {0: 132}))
         stack.enter_context(mock.patch(
