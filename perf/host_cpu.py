@@ -12,20 +12,18 @@ that on the GPU machine, the TVM-FFI call included).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import pstats
 import time
-from collections.abc import Callable, Iterator
-from types import SimpleNamespace
-from unittest import mock
+from collections.abc import Callable
 
 import cute_kernels
-from cute_kernels import compile_cache, ops
-from cute_kernels.arch import ARCH_ENV
-from cute_kernels.testing import compress_c128_case, kv_rope_insert_case, stacked_kv_proj_case
-
-ARCH = "sm_90a"
+from cute_kernels.testing import (
+    compress_c128_case,
+    cpu_launches,
+    kv_rope_insert_case,
+    stacked_kv_proj_case,
+)
 
 
 def cases() -> dict[str, tuple]:
@@ -35,35 +33,6 @@ def cases() -> dict[str, tuple]:
         "stacked_kv_proj": stacked_kv_proj_case(1, 4096, 5, 8, 128, "cpu",
                                                 skip_every=0).args(),
     }
-
-
-def _noop(*args: object) -> None:
-    return None
-
-
-@contextlib.contextmanager
-def cpu_launches() -> Iterator[None]:
-    """Let the ops run on CPU tensors as if they were CUDA ones, every compiled function a
-    no-op: the arch is ``sm_90a``, the device is index 0 of 132 SMs, the stream a constant."""
-    stream = SimpleNamespace(cuda_stream=7)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.dict("os.environ", {ARCH_ENV: ARCH}))
-        stack.enter_context(mock.patch.object(ops, "LAUNCH_DEVICE_TYPE", "cpu"))
-        stack.enter_context(mock.patch("torch.cuda.current_device", lambda: 0))
-        stack.enter_context(mock.patch("torch.cuda.current_stream", lambda *a: stream))
-        stack.enter_context(mock.patch("cute_kernels.stacked_kv_proj.interface._raw_stream",
-                                       lambda index: stream.cuda_stream))
-        stack.enter_context(mock.patch("torch.cuda.is_current_stream_capturing", lambda: False))
-        stack.enter_context(mock.patch("cute_kernels.arch._sm_counts", {0: 132}))
-        stack.enter_context(mock.patch(
-            "cute_kernels.arch._query_max_active_clusters",
-            lambda index, cluster, ctas_per_sm, threads, sms: ctas_per_sm * sms // cluster))
-        for family in compile_cache.families().values():
-            stack.enter_context(mock.patch.object(family, "_load_or_compile",
-                                                  lambda key: _noop))
-        yield
-    for name in cases():
-        getattr(cute_kernels, name).forget_layouts()
 
 
 def per_call_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
@@ -84,7 +53,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--profile", action="store_true", help="cProfile each op's calls")
     cli = parser.parse_args()
-    with cpu_launches():
+    with cpu_launches(record=False):
         for name, args in cases().items():
             op = getattr(cute_kernels, name)
             call = per_call_us(lambda a=args, op=op: op(*a), cli.calls, cli.repeats)

@@ -284,10 +284,16 @@ def _launch(layout: StackedLayout, args: tuple) -> Callable[[tuple], None]:
     ctx_hidden, _, _, _, _, _, _, _, _, _, cache_loc_2d, _ = args
     if ctx_hidden.shape[0] == 0:
         return _skip
-    device = ctx_hidden.device
     plan = _plan(layout, ctx_hidden)
-    if not _plan_is_final(layout, device):  # plan again on every call, until the query works
-        return lambda args: _launch(layout, args)(args)
+    if not _plan_is_final(layout, ctx_hidden.device):  # plan each call until the query works
+        return lambda args: _planned(layout, _plan(layout, args[0]), args)(args)
+    return _planned(layout, plan, args)
+
+
+def _planned(layout: StackedLayout, plan: StackedPlan, args: tuple) -> Callable[[tuple], None]:
+    """The launch of the layout of ``args`` (T > 0) with ``plan``."""
+    ctx_hidden, _, _, _, _, _, _, _, _, _, cache_loc_2d, _ = args
+    device = ctx_hidden.device
     fn = KERNELS.get(StackedKvProjKey(layout, plan.variant))
     flat = cache_loc_2d is not None
     width = 1 if cache_loc_2d is None else cache_loc_2d.shape[1]
