@@ -3,8 +3,9 @@ fake, and the ``check_*`` layout check.
 
 A kernel family writes its op once, as a *validation* function with the public signature and
 docstring (metadata only: it raises :class:`~cute_kernels.LayoutError` or returns the compile
-key, ``None`` for tensors that carry no arch) and a *launch* function ``launch(key, args)``
-that gets the key and every argument, in signature order. :func:`cute_op` turns the pair into
+key, ``None`` for tensors that carry no arch) and a *prepare* function ``prepare(key, args)``
+that gets the key and every argument, in signature order, and returns the function that
+launches a call of that layout. :func:`cute_op` turns the pair into
 
 - the public function: in eager mode it validates and launches directly (the dispatcher would
   add tens of microseconds per call, more than the kernels take); under ``torch.compile`` it
@@ -18,9 +19,15 @@ that gets the key and every argument, in signature order. :func:`cute_op` turns 
 Host cost. The full validation costs 10-20 us of Python per call, more than the launch. A layout
 that passed once is remembered under a *signature* of everything the validation reads (each
 tensor's dtype, shape, strides, device and the low bits of its address; every other argument's
-type and value; the arch override), so a call with a layout seen before skips straight to the
-launch, and anything else — a new or a rejected layout — runs the full validation, which raises
-exactly as before. Rejections are never remembered.
+type and value; the arch override and the op's other environment overrides), so a call with a
+layout seen before skips straight to the launch ``prepare`` made for it (the compiled function,
+the grid or plan, found once), and anything else — a new or a rejected layout — runs the full
+validation, which raises exactly as before. Rejections are never remembered.
+
+The signature is read afresh on every call, tensor by tensor (about 0.3 us a tensor on a
+development CPU): a tensor whose metadata changed in place (``set_``, ``resize_``,
+``as_strided_``, ``.data =``, ``torch.utils.swap_tensors``) is a new layout. Nothing is cached
+by object identity, and the prepared launches hold no tensor.
 """
 
 from __future__ import annotations
