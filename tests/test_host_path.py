@@ -263,7 +263,7 @@ def test_the_op_and_check_agree_with_a_fresh_validation(name):
                     assert _message(op.check, *v) == want
 
 
-def test_a_launch_matches_the_layout(monkeypatch):
+def test_a_launch_matches_the_layout():
     """What each op hands the compiled function: the kv cache as bytes (the current tensor's),
     a 1-D scale, the C128 grid and the stacked plan's schedule, on every call."""
     with cpu_launches(resident={(8, 2, 256): 30}) as launches:
