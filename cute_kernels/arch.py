@@ -96,6 +96,12 @@ def max_active_clusters(index: int, cluster: int, ctas_per_sm: int, threads: int
     return _cluster_cache[key]
 
 
+def queried_max_active_clusters(index: int, cluster: int, ctas_per_sm: int, threads: int) -> bool:
+    """Whether :func:`max_active_clusters` has the driver's answer for these arguments (it
+    never changes), rather than the formula it falls back on until the query succeeds."""
+    return (index, cluster, ctas_per_sm, threads) in _cluster_cache
+
+
 def _checked(result: tuple):
     if result[0] != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"CUDA driver call failed: {result[0]}")

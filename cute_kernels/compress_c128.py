@@ -9,6 +9,7 @@ KV cache. Contract: specs/compress_c128.md.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -17,7 +18,7 @@ import torch
 from cutlass import Float32, Int32, Int64, Uint8, Uint32, const_expr
 
 from . import dsl_utils as du
-from .arch import arch_for, device_index, max_active_clusters
+from .arch import arch_for, device_index, max_active_clusters, queried_max_active_clusters
 from .compile_cache import KernelCache
 from .layouts import (
     C128_FORMATS,
@@ -500,22 +501,47 @@ def _grid_clusters(device: torch.device, num_tokens: int) -> int:
     return max(1, min(num_tokens, GRID_WAVES * resident))
 
 
-def _launch(key: CompressC128Key, args: tuple) -> None:
-    (state_cache, block_table, token_to_req, positions, slot_mapping, norm_weight, eps,
-     cos_sin_cache, k_cache, kv_slot_mapping, _, fp8_scale) = args
+def _grid_is_final(device: torch.device) -> bool:
+    """Whether :func:`_grid_clusters` answered from the driver's count, which never changes
+    (not from the formula it falls back on while the count cannot be queried)."""
+    return queried_max_active_clusters(device_index(device), CompressC128.CLUSTER,
+                                       CompressC128.CTAS_PER_SM, 32 * CompressC128.WARPS)
+
+
+def _skip(args: tuple) -> None:
+    return None
+
+
+def _launch(key: CompressC128Key, args: tuple) -> Callable[[tuple], None]:
+    """The launch of every call of the layout of ``args`` (see ``ops.cute_op``): the compiled
+    function and the grid (T is part of the layout) are found once; a byte view of a bf16/fp8
+    cache, and a 1-D view of a scale of another shape, are made per call."""
+    state_cache, _, _, positions, _, _, _, _, k_cache, _, _, fp8_scale = args
     num_tokens = positions.shape[0]
     if num_tokens == 0:
-        return
-    cache_bytes = k_cache if k_cache.dtype == torch.uint8 else k_cache.view(torch.uint8)
-    scale = fp8_scale.reshape(1) if key.cache_format is CacheFormat.FP8 else None
-    KERNELS.get(key)(
-        state_cache, block_table, token_to_req, positions, slot_mapping, norm_weight, float(eps),
-        cos_sin_cache, cache_bytes, kv_slot_mapping, scale,
-        _grid_clusters(state_cache.device, num_tokens),
-    )
+        return _skip
+    fn = KERNELS.get(key)
+    device = state_cache.device
+    grid = _grid_clusters(device, num_tokens)
+    final = _grid_is_final(device)
+    view = k_cache.dtype != torch.uint8
+    fp8 = key.cache_format is CacheFormat.FP8
+    flat = fp8 and fp8_scale.shape != (1,)
+
+    def launch(args: tuple) -> None:
+        (state_cache, block_table, token_to_req, positions, slot_mapping, norm_weight, eps,
+         cos_sin_cache, k_cache, kv_slot_mapping, _, fp8_scale) = args
+        scale = (fp8_scale.reshape(1) if flat else fp8_scale) if fp8 else None
+        fn(
+            state_cache, block_table, token_to_req, positions, slot_mapping, norm_weight,
+            float(eps), cos_sin_cache, k_cache.view(torch.uint8) if view else k_cache,
+            kv_slot_mapping, scale, grid if final else _grid_clusters(device, num_tokens),
+        )
+
+    return launch
 
 
-@cute_op("compress_c128", mutates_args=("k_cache",), launch=_launch)
+@cute_op("compress_c128", mutates_args=("k_cache",), prepare=_launch)
 def compress_c128(
     state_cache: torch.Tensor,
     block_table: torch.Tensor,

@@ -8,6 +8,7 @@ specs/kv_rope_insert.md.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -421,18 +422,47 @@ def _variants(arch: str) -> list[KvRopeInsertKey]:
 KERNELS = KernelCache("kv_rope_insert", _build, _variants)
 
 
-def _launch(key: KvRopeInsertKey, args: tuple) -> None:
-    kv, k_cache, slot_mapping, positions, cos_sin_cache, _, fp8_scale, _ = args
+def _skip(args: tuple) -> None:
+    return None
+
+
+def _launch(key: KvRopeInsertKey, args: tuple) -> Callable[[tuple], None]:
+    """The launch of every call of the layout of ``args`` (see ``ops.cute_op``): the compiled
+    function is looked up once; a byte view of a bf16/fp8 cache, and a 1-D view of a scale of
+    another shape, are made per call."""
+    kv, k_cache, slot_mapping, _, _, _, fp8_scale, _ = args
     if slot_mapping.shape[0] == 0:
-        return
-    cache_bytes = k_cache if k_cache.dtype == torch.uint8 else k_cache.view(torch.uint8)
-    scale = fp8_scale.reshape(1) if key.cache_format is CacheFormat.FP8 else None
+        return _skip
+    fn = KERNELS.get(key)
+    # every CTA resident at once, and no warp without a slot (KvRopeInsert.__call__)
     one_slot_per_warp = -(-slot_mapping.shape[0] // KvRopeInsert.WARPS_PER_CTA)
     grid_ctas = min(one_slot_per_warp, sm_count(kv.device) * KvRopeInsert.CTAS_PER_SM)
-    KERNELS.get(key)(kv, slot_mapping, positions, cos_sin_cache, cache_bytes, scale, grid_ctas)
+    if key.cache_format is CacheFormat.FP8:
+        flat = fp8_scale.shape != (1,)
+
+        def launch_fp8(args: tuple) -> None:
+            kv, k_cache, slot_mapping, positions, cos_sin_cache, _, fp8_scale, _ = args
+            fn(kv, slot_mapping, positions, cos_sin_cache, k_cache.view(torch.uint8),
+               fp8_scale.reshape(1) if flat else fp8_scale, grid_ctas)
+
+        return launch_fp8
+    if k_cache.dtype != torch.uint8:
+
+        def launch_view(args: tuple) -> None:
+            kv, k_cache, slot_mapping, positions, cos_sin_cache, _, _, _ = args
+            fn(kv, slot_mapping, positions, cos_sin_cache, k_cache.view(torch.uint8), None,
+               grid_ctas)
+
+        return launch_view
+
+    def launch(args: tuple) -> None:
+        kv, k_cache, slot_mapping, positions, cos_sin_cache, _, _, _ = args
+        fn(kv, slot_mapping, positions, cos_sin_cache, k_cache, None, grid_ctas)
+
+    return launch
 
 
-@cute_op("kv_rope_insert", mutates_args=("k_cache",), launch=_launch)
+@cute_op("kv_rope_insert", mutates_args=("k_cache",), prepare=_launch)
 def kv_rope_insert(
     kv: torch.Tensor,
     k_cache: torch.Tensor,

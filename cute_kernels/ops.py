@@ -3,8 +3,9 @@ fake, and the ``check_*`` layout check.
 
 A kernel family writes its op once, as a *validation* function with the public signature and
 docstring (metadata only: it raises :class:`~cute_kernels.LayoutError` or returns the compile
-key, ``None`` for tensors that carry no arch) and a *launch* function ``launch(key, args)``
-that gets the key and every argument, in signature order. :func:`cute_op` turns the pair into
+key, ``None`` for tensors that carry no arch) and a *prepare* function ``prepare(key, args)``
+that gets the key and every argument, in signature order, and returns the function that
+launches a call of that layout. :func:`cute_op` turns the pair into
 
 - the public function: in eager mode it validates and launches directly (the dispatcher would
   add tens of microseconds per call, more than the kernels take); under ``torch.compile`` it
@@ -18,9 +19,15 @@ that gets the key and every argument, in signature order. :func:`cute_op` turns 
 Host cost. The full validation costs 10-20 us of Python per call, more than the launch. A layout
 that passed once is remembered under a *signature* of everything the validation reads (each
 tensor's dtype, shape, strides, device and the low bits of its address; every other argument's
-type and value; the arch override), so a call with a layout seen before skips straight to the
-launch, and anything else — a new or a rejected layout — runs the full validation, which raises
-exactly as before. Rejections are never remembered.
+type and value; the arch override and the op's other environment overrides), so a call with a
+layout seen before skips straight to the launch ``prepare`` made for it (the compiled function,
+the grid or plan, found once), and anything else — a new or a rejected layout — runs the full
+validation, which raises exactly as before. Rejections are never remembered.
+
+The signature is read afresh on every call, tensor by tensor (about 0.3 us a tensor on a
+development CPU): a tensor whose metadata changed in place (``set_``, ``resize_``,
+``as_strided_``, ``.data =``, ``torch.utils.swap_tensors``) is a new layout. Nothing is cached
+by object identity, and the prepared launches hold no tensor.
 """
 
 from __future__ import annotations
@@ -39,29 +46,117 @@ from .validation import fail
 NAMESPACE = "cute_kernels"
 #: Layouts remembered per op (a serving process sees a handful; the bound only caps memory).
 MAX_REMEMBERED_LAYOUTS = 4096
+#: The device type the op launches on (``perf/host_cpu.py`` times the host path on CPU tensors).
+LAUNCH_DEVICE_TYPE = "cuda"
+
+
+_Tensor = torch.Tensor
+_SEQUENCES = (list, tuple)
 
 
 def _meta(value: object) -> object:
     """What validation may read of one argument, hashable (raises TypeError when not)."""
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, _Tensor):
         # the address's low bits decide every alignment check (all are <= 16 bytes)
         return (value.dtype, value.shape, value.stride(), value.device,
                 value.data_ptr() & 15)
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, _SEQUENCES):
         return (type(value), *map(_meta, value))
     return (type(value), value)
 
 
-def layout_signature(args: tuple) -> tuple:
-    """The layout signature of a call's arguments (it may hold an unhashable value: its
-    lookup then raises TypeError, and the call is validated in full)."""
-    return (os.environ.get(ARCH_ENV), *map(_meta, args))
+def _signature(env: object, args: tuple) -> tuple:
+    """:func:`layout_signature` flattened into one tuple, the hot path of every call.
+
+    Each tensor contributes (dtype, shape, strides, device, address & 15), each sequence its
+    type and length followed by its items', anything else (type, value). The entries are read
+    left to right, and the first item of each tells which kind it is (a ``torch.dtype`` or a
+    type), so equal signatures mean equal metadata argument by argument."""
+    sig = [env]
+    add = sig.append
+    for a in args:
+        if isinstance(a, _Tensor):
+            add(a.dtype)
+            add(a.shape)
+            add(a.stride())
+            add(a.device)
+            add(a.data_ptr() & 15)
+        elif isinstance(a, _SEQUENCES):
+            add(type(a))
+            add(len(a))
+            for c in a:
+                if isinstance(c, _Tensor):
+                    add(c.dtype)
+                    add(c.shape)
+                    add(c.stride())
+                    add(c.device)
+                    add(c.data_ptr() & 15)
+                elif isinstance(c, _SEQUENCES):
+                    add(_meta(c))
+                else:
+                    add(type(c))
+                    add(c)
+        else:
+            add(type(a))
+            add(a)
+    return tuple(sig)
+
+
+def _env_reader(names: tuple[str, ...]) -> Callable[[], tuple]:
+    """A function returning the values of environment variables ``names``, as ``os.environ``
+    has them. ``os.environ.get`` costs about 0.5 us a name (it encodes the key and decodes the
+    value); this reads the mapping's own dict of encoded keys and values, the same values,
+    whenever ``os.environ`` is the standard mapping."""
+    environ = os.environ
+    data = getattr(environ, "_data", None)
+    encode = getattr(environ, "encodekey", None)
+
+    def slow() -> tuple:
+        return tuple(map(os.environ.get, names))
+
+    if not isinstance(data, dict) or encode is None:
+        return slow
+    keys = tuple(encode(name) for name in names)
+    get = data.get
+
+    def read() -> tuple:
+        if os.environ is not environ:  # replaced wholesale: ask the new one
+            return slow()
+        return tuple(map(get, keys))
+
+    if len(keys) > 1:
+        return read
+    (key,) = keys
+
+    def read_one() -> tuple:
+        if os.environ is not environ:
+            return slow()
+        return (get(key),)
+
+    return read_one
+
+
+_read_arch_env = _env_reader((ARCH_ENV,))
+
+
+def layout_signature(args: tuple, env: Sequence[str] = ()) -> tuple:
+    """The layout signature of a call's arguments: the values of ``CUTE_KERNELS_ARCH`` and of
+    ``env``, then every argument's metadata. It may hold an unhashable value: its lookup then
+    raises TypeError, and the call is validated in full."""
+    return _signature(_env_reader((ARCH_ENV, *env))(), args)
 
 
 def cute_op(
-    name: str, mutates_args: Sequence[str], launch: Callable[..., None]
+    name: str,
+    mutates_args: Sequence[str],
+    prepare: Callable[[Any, tuple], Callable[[tuple], None]],
+    env: Sequence[str] = (),
 ) -> Callable[[Callable[..., Any]], Callable[..., None]]:
-    """Decorate the validation function of op ``name`` (see the module doc)."""
+    """Decorate the validation function of op ``name`` (see the module doc). ``prepare(key,
+    args)`` is called once per accepted signature and returns the function that launches a call
+    of that signature (from its positional arguments); ``env`` names the environment variables
+    besides ``CUTE_KERNELS_ARCH`` that the validation or ``prepare`` reads."""
+    read_env = _env_reader((ARCH_ENV, *env)) if env else _read_arch_env
 
     def register(validate: Callable[..., Any]) -> Callable[..., None]:
         signature = inspect.signature(validate).replace(return_annotation=None)
@@ -69,16 +164,17 @@ def cute_op(
         first = params[0].name  # the tensor whose device the kernel runs on
         defaults = tuple(p.default for p in params)
         required = sum(p.default is inspect.Parameter.empty for p in params)
+        count = len(params)
 
         def positional(args: tuple, kwargs: dict) -> tuple:
             """All arguments in signature order (the fast path has no keywords)."""
-            if not kwargs and required <= len(args) <= len(params):
+            if not kwargs and required <= len(args) <= count:
                 return args + defaults[len(args):]
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
             return tuple(bound.arguments.values())
 
-        accepted: dict[tuple, Any] = {}  # signature -> compile key, for CUDA calls
+        accepted: dict[tuple, Callable[[tuple], None]] = {}  # signature -> launch, CUDA calls
         checked: dict[tuple, bool] = {}  # signatures check() accepted
 
         def remember(table: dict, sig: tuple, value: object) -> None:
@@ -89,21 +185,28 @@ def cute_op(
             except TypeError:  # an unhashable argument: never remembered
                 pass
 
-        def run(*args: Any) -> None:
-            sig = layout_signature(args)
+        def first_call(sig: tuple, args: tuple) -> Callable[[tuple], None]:
+            """A signature not accepted yet: the full validation, which raises as it always
+            did, then the launch prepared and remembered."""
+            key = validate(*args)
+            if args[0].device.type != LAUNCH_DEVICE_TYPE:
+                fail(first, "a CUDA tensor", f"device {args[0].device}")
+            launch = prepare(key, args)
+            remember(accepted, sig, launch)
+            return launch
+
+        def run(args: tuple) -> None:
+            sig = _signature(read_env(), args)
             try:
-                key = accepted.get(sig)
+                launch = accepted.get(sig)
             except TypeError:
-                key = None
-            if key is None:
-                key = validate(*args)
-                if args[0].device.type != "cuda":
-                    fail(first, "a CUDA tensor", f"device {args[0].device}")
-                remember(accepted, sig, key)
-            launch(key, args)
+                launch = None
+            if launch is None:
+                launch = first_call(sig, args)
+            launch(args)
 
         def impl(*args: Any, **kwargs: Any) -> None:
-            run(*positional(args, kwargs))
+            run(positional(args, kwargs))
 
         impl.__signature__ = signature  # type: ignore[attr-defined]
         impl.__name__ = name
@@ -115,16 +218,20 @@ def cute_op(
         def _fake(*args: object, **kwargs: object) -> None:
             return None
 
+        is_compiling = torch.compiler.is_compiling
+
         @functools.wraps(validate)
         def public(*args: Any, **kwargs: Any) -> None:
-            if torch.compiler.is_compiling():  # keep the kernel opaque to Dynamo
+            if is_compiling():  # keep the kernel opaque to Dynamo
                 getattr(torch.ops.cute_kernels, name)(*args, **kwargs)
+            elif not kwargs and required <= len(args) <= count:
+                run(args + defaults[len(args):])
             else:
-                run(*positional(args, kwargs))
+                run(positional(args, kwargs))
 
         def check(*args: Any, **kwargs: Any) -> None:
             args = positional(args, kwargs)
-            sig = layout_signature(args)
+            sig = _signature(read_env(), args)
             try:
                 if sig in checked:
                     return

@@ -3,7 +3,12 @@ own tests: seeded, never zeros, poisoned outputs, padded and permuted layouts.""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+from unittest import mock
 
 import torch
 
@@ -447,3 +452,82 @@ def compare_stacked(case: StackedKvProjCase, ref_k: list[torch.Tensor], ref_v: l
         untouched &= bool((got_b.view(torch.uint8).view(-1, 2)[mask] == POISON).all())
     frac = near / total if total else 1.0
     return Comparison(frac, max_ulp, untouched, total)
+
+
+# -- the host path on CPU tensors --------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Launch:
+    """One call of a compiled function, as :func:`cpu_launches` records it."""
+
+    family: str
+    key: Any
+    args: tuple
+
+
+@contextlib.contextmanager
+def cpu_launches(arch: str = "sm_90a", sms: int = 132,
+                 resident: dict[tuple[int, int, int], int] | None = None,
+                 record: bool = True) -> Iterator[list[Launch]]:
+    """Run the ops' host path on CPU tensors as if they were tensors of CUDA device 0: no
+    compile, and every compiled function records its call (a :class:`Launch`) instead of
+    launching. The arch is ``arch``, the device has ``sms`` SMs, the driver answers
+    ``resident[(cluster, ctas_per_sm, threads)]`` clusters (default: one per ``ctas_per_sm``
+    slots of ``sms``), the current stream is a constant and no stream is capturing. Yields the
+    list of launches (empty with ``record=False``: the compiled functions do nothing). For tests
+    of the host path and ``perf/host_cpu.py``; every op forgets its layouts on entry and exit."""
+    from . import compile_cache, ops
+    from .arch import ARCH_ENV
+    from .stacked_kv_proj import interface
+
+    launches: list[Launch] = []
+    stream = SimpleNamespace(cuda_stream=7)
+    table = resident or {}
+
+    def query(index: int, cluster: int, ctas_per_sm: int, threads: int, sms: int) -> int:
+        return table.get((cluster, ctas_per_sm, threads), ctas_per_sm * sms // cluster)
+
+    def recorder(family: str):
+        def compiled_for(key: Any):
+            def launch(*args: Any) -> None:
+                launches.append(Launch(family, key, args))
+
+            def nothing(*args: Any) -> None:
+                return None
+
+            return launch if record else nothing
+        return compiled_for
+
+    def forget() -> None:
+        for op in ops_with_layouts():
+            op.forget_layouts()
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.dict("os.environ", {ARCH_ENV: arch}))
+        stack.enter_context(mock.patch.object(ops, "LAUNCH_DEVICE_TYPE", "cpu"))
+        stack.enter_context(mock.patch("torch.cuda.current_device", lambda: 0))
+        stack.enter_context(mock.patch("torch.cuda.current_stream", lambda *a: stream))
+        stack.enter_context(mock.patch("torch.cuda.is_current_stream_capturing", lambda: False))
+        stack.enter_context(mock.patch.object(interface, "_raw_stream",
+                                              lambda index: stream.cuda_stream))
+        stack.enter_context(mock.patch.object(interface, "_workspaces", {}))
+        stack.enter_context(mock.patch.object(interface, "_retired", []))
+        stack.enter_context(mock.patch("cute_kernels.arch._sm_counts", {0: sms}))
+        stack.enter_context(mock.patch("cute_kernels.arch._cluster_cache", {}))
+        stack.enter_context(mock.patch("cute_kernels.arch._query_max_active_clusters", query))
+        for family in compile_cache.families().values():
+            stack.enter_context(mock.patch.object(family, "_compiled", {}))
+            stack.enter_context(mock.patch.object(family, "_load_or_compile",
+                                                  recorder(family.family)))
+        stack.callback(forget)
+        forget()
+        yield launches
+
+
+def ops_with_layouts() -> list:
+    """The public ops (each remembers the layouts it accepted)."""
+    import cute_kernels
+
+    return [cute_kernels.kv_rope_insert, cute_kernels.compress_c128,
+            cute_kernels.stacked_kv_proj]

@@ -11,6 +11,7 @@ import cute_kernels
 from cute_kernels import LayoutError, ops
 from cute_kernels.testing import (
     compress_c128_case,
+    cpu_launches,
     kv_rope_insert_case,
     stacked_kv_proj_case,
 )
@@ -115,3 +116,256 @@ def test_signature_reads_alignment_dtype_shape_strides_and_device():
     assert ops.layout_signature((t.to("meta"),)) != ops.layout_signature((_offset(t),))
     assert ops.layout_signature((1,)) != ops.layout_signature((1.0,))
     assert ops.layout_signature((True,)) != ops.layout_signature((1,))
+
+
+# -- the op path, run on CPU tensors (cute_kernels.testing.cpu_launches) -----------------------
+
+FORMAT_CASES = {
+    "kv_rope_insert": [lambda fmt=fmt: kv_rope_insert_case(fmt, 8, 16, "cpu").args()
+                       for fmt in ("bf16", "fp8", "v4_packed", "v41_mxfp8")],
+    "compress_c128": [lambda fmt=fmt: compress_c128_case(fmt, 16, 2, "cpu").args()
+                      for fmt in ("bf16", "fp8", "v4_packed")],
+    "stacked_kv_proj": [lambda: stacked_kv_proj_case(8, hidden=128).args(),
+                        lambda: stacked_kv_proj_case(8, hidden=128, bias=True,
+                                                     commit=True).args()],
+}
+
+
+def _fresh(op, args) -> str | None:
+    """What the full validation says of ``args``, with nothing remembered."""
+    op.forget_layouts()
+    return _message(op.check, *args)
+
+
+def _tensor_places(args: tuple) -> list[tuple[int, int | None]]:
+    """(argument, list item or None) of every tensor in ``args``."""
+    places = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            places.append((i, None))
+        elif isinstance(a, (list, tuple)):
+            places += [(i, j) for j in (0, len(a) - 1)]
+    return places
+
+
+def _at(args: tuple, place: tuple[int, int | None]) -> torch.Tensor:
+    i, j = place
+    return args[i] if j is None else args[i][j]
+
+
+def _misaligned_storage(t: torch.Tensor) -> tuple[torch.UntypedStorage, int]:
+    extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+    return torch.empty(extent + 1, dtype=t.dtype).untyped_storage(), 1
+
+
+def _set_misaligned(t: torch.Tensor) -> None:
+    storage, offset = _misaligned_storage(t)
+    t.set_(storage, offset, t.shape, t.stride())
+
+
+def _set_aligned(t: torch.Tensor) -> None:
+    storage, _ = _misaligned_storage(t)
+    t.set_(storage, 0, t.shape, t.stride())
+
+
+def _other_dtype(t: torch.Tensor) -> None:
+    other = torch.float16 if t.dtype != torch.float16 else torch.float32
+    t.data = torch.zeros(t.shape, dtype=other)
+
+
+def _swap_misaligned(t: torch.Tensor) -> None:
+    torch.utils.swap_tensors(t, _offset(t.contiguous()))
+
+
+#: In-place changes of a tensor's metadata: the same Python object afterwards, with another
+#: layout (or, for set_ to an aligned copy, the same layout at another address).
+MUTATIONS = {
+    "unsqueeze_": lambda t: t.unsqueeze_(0),
+    "as_strided_": lambda t: t.as_strided_((1,) * t.dim(), t.stride()),
+    "resize_": lambda t: t.resize_(*[s + 1 for s in t.shape]),
+    "t_": lambda t: t.t_() if t.dim() == 2 else t.squeeze_(),
+    "as_strided_ stride 0": lambda t: t.as_strided_(t.shape, (0, *t.stride()[1:])),
+    "set_ misaligned": _set_misaligned,
+    "set_ aligned": _set_aligned,
+    ".data = other dtype": _other_dtype,
+    "swap_tensors meta": lambda t: torch.utils.swap_tensors(t, torch.empty_strided(
+        t.shape, t.stride(), dtype=t.dtype, device="meta")),
+    "swap_tensors misaligned": _swap_misaligned,
+}
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+@pytest.mark.parametrize("name", list(CASES))
+def test_in_place_metadata_changes_after_acceptance(name, mutation):
+    """Accept a layout through both the op and check, then change one tensor's metadata in
+    place: the op and check answer exactly what a fresh validation answers, and an accepted call
+    launches on the tensor as it is now."""
+    op = getattr(cute_kernels, name)
+    with cpu_launches() as launches:
+        for place in _tensor_places(CASES[name]()):
+            args = CASES[name]()
+            t = _at(args, place)
+            if t.numel() <= 1 and mutation == "t_":
+                continue
+            op.forget_layouts()
+            op(*args)
+            op(*args)
+            assert op.check(*args) is None
+            MUTATIONS[mutation](t)
+            got_op, got_check = _message(op, *args), _message(op.check, *args)
+            want = _fresh(op, args)
+            assert got_op == want, (place, got_op, want)
+            assert got_check == want, (place, got_check, want)
+            if want is None:  # still accepted: the launch got the tensor's current address
+                del launches[:]
+                op(*args)
+                (launch,) = launches
+                assert t.data_ptr() in _addresses(launch.args), place
+
+
+def _addresses(values: tuple) -> set[int]:
+    out = set()
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.add(v.data_ptr())
+        elif isinstance(v, (list, tuple)):
+            out |= _addresses(tuple(v))
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_op_and_check_agree_with_a_fresh_validation(name):
+    """For each accepted layout and each variant of it (other dtypes, ranks, alignments, scalar
+    values): the op, check and a fresh validation say the same, in any order."""
+    op = getattr(cute_kernels, name)
+    with cpu_launches():
+        for make in FORMAT_CASES[name]:
+            args = make()
+            variants = [args]
+            for i, a in enumerate(args):
+                if isinstance(a, torch.Tensor):
+                    variants += [args[:i] + (v,) + args[i + 1:]
+                                 for v in (a.to(torch.float16), a.unsqueeze(0), _offset(a))]
+                elif isinstance(a, bool):
+                    variants.append(args[:i] + (not a,) + args[i + 1:])
+                    variants.append(args[:i] + (int(a),) + args[i + 1:])
+                elif isinstance(a, int):
+                    variants += [args[:i] + (v,) + args[i + 1:] for v in (a + 1, float(a), True)]
+                elif isinstance(a, float):
+                    variants += [args[:i] + (v,) + args[i + 1:]
+                                 for v in (-1.0, float("nan"), float("inf"), 0, True)]
+            fresh = [_fresh(op, v) for v in variants]
+            assert fresh[0] is None
+            op.forget_layouts()
+            for _ in range(2):
+                for v, want in zip(variants, fresh, strict=True):
+                    assert _message(op, *v) == want
+                    assert _message(op.check, *v) == want
+
+
+def test_a_launch_matches_the_layout():
+    """What each op hands the compiled function: the kv cache as bytes (the current tensor's),
+    a 1-D scale, the C128 grid and the stacked plan's schedule, on every call."""
+    with cpu_launches(resident={(8, 2, 256): 30}) as launches:
+        case = kv_rope_insert_case("fp8", 8, 16, "cpu")
+        scale = torch.tensor([[0.5]])
+        for _ in range(3):
+            cute_kernels.kv_rope_insert(*case.args()[:6], scale)
+        assert len(launches) == 3
+        for launch in launches:
+            cache, got_scale = launch.args[4], launch.args[5]
+            assert cache.dtype == torch.uint8 and cache.data_ptr() == case.k_cache.data_ptr()
+            assert cache.shape == (*case.k_cache.shape[:2], case.k_cache.shape[2])
+            assert got_scale.shape == (1,) and got_scale.data_ptr() == scale.data_ptr()
+
+        del launches[:]
+        case = compress_c128_case("bf16", 64, 2, "cpu")
+        for _ in range(2):
+            cute_kernels.compress_c128(*case.args())
+        assert [launch.args[-1] for launch in launches] == [30, 30]
+        assert all(launch.args[8].dtype == torch.uint8 for launch in launches)
+
+        del launches[:]
+        from cute_kernels.stacked_kv_proj.interface import plan_for_call
+
+        case = stacked_kv_proj_case(8, hidden=128, commit=True)
+        plan = plan_for_call(case.args())
+        for _ in range(2):
+            cute_kernels.stacked_kv_proj(*case.args())
+        for launch in launches:
+            assert launch.key.variant == plan.variant
+            assert launch.args[7].shape == (8,)  # cache_loc_2d, flattened
+            assert launch.args[7].data_ptr() == case.cache_loc_2d.data_ptr()
+            assert launch.args[-2:] == (plan.grid, plan.dp_tiles)
+            assert launch.args[10] == tuple(case.k_caches)
+
+
+def test_stacked_overrides_are_part_of_the_signature(monkeypatch):
+    """CUTE_KERNELS_STACKED_* change the plan and may reject: a layout accepted before an
+    override changes is validated and planned again."""
+    op = cute_kernels.stacked_kv_proj
+    args = CASES["stacked_kv_proj"]()
+    with cpu_launches() as launches:
+        op(*args)
+        assert op.check(*args) is None
+        monkeypatch.setenv("CUTE_KERNELS_STACKED_TILE", "nonsense")
+        assert "CUTE_KERNELS_STACKED_TILE" in _message(op, *args)
+        assert "CUTE_KERNELS_STACKED_TILE" in _message(op.check, *args)
+        for tile in ("m128", "m64"):
+            monkeypatch.setenv("CUTE_KERNELS_STACKED_TILE", tile)
+            del launches[:]
+            op(*args)
+            assert launches[0].key.variant.tile == tile
+        monkeypatch.setenv("CUTE_KERNELS_STACKED_IMPL", "mma")
+        del launches[:]
+        op(*args)
+        assert launches[0].key.variant.impl == "mma" and len(launches[0].args) == 12
+
+
+@pytest.mark.parametrize("name", ["compress_c128", "stacked_kv_proj"])
+def test_a_fallback_resident_count_is_not_remembered(name, monkeypatch):
+    """While the driver cannot be asked (a capture), the grid comes from the formula and is
+    worked out again on each call, until the query succeeds."""
+    op = getattr(cute_kernels, name)
+    args = (compress_c128_case("bf16", 512, 2, "cpu").args() if name == "compress_c128"
+            else stacked_kv_proj_case(4, hidden=4096, num_layers=5, n_kv=8).args())
+    with cpu_launches(resident={(8, 2, 256): 3, (1, 1, 384): 100}) as launches:
+        monkeypatch.setenv("CUTE_KERNELS_STACKED_SCHEDULE", "streamk")  # a grid of all CTAs
+        monkeypatch.setattr("torch.cuda.is_current_stream_capturing", lambda: True)
+        op(*args)
+        monkeypatch.setattr("torch.cuda.is_current_stream_capturing", lambda: False)
+        op(*args)
+        op(*args)
+    first, second, third = launches
+    if name == "compress_c128":
+        assert (first.args[-1], second.args[-1], third.args[-1]) == (33, 3, 3)
+    else:
+        assert (first.args[-2], second.args[-2], third.args[-2]) == (132, 100, 100)
+
+
+def test_the_environment_is_read_as_os_environ_has_it(monkeypatch):
+    read = ops._env_reader(("CUTE_KERNELS_TEST_A", "CUTE_KERNELS_TEST_B"))
+    one = ops._env_reader(("CUTE_KERNELS_TEST_A",))
+    monkeypatch.delenv("CUTE_KERNELS_TEST_A", raising=False)
+    monkeypatch.delenv("CUTE_KERNELS_TEST_B", raising=False)
+    assert read() == (None, None) and one() == (None,)
+    monkeypatch.setenv("CUTE_KERNELS_TEST_A", "x")
+    first = read()
+    assert first != (None, None) and one() == first[:1]
+    monkeypatch.setenv("CUTE_KERNELS_TEST_A", "y")
+    assert read() != first and read()[1] is None
+    monkeypatch.setenv("CUTE_KERNELS_TEST_B", "x")
+    assert read()[1] == first[0]
+    monkeypatch.setattr("os.environ", {"CUTE_KERNELS_TEST_A": "z"})
+    assert read() == ("z", None) and one() == ("z",)
+
+
+def test_torch_compile_keeps_the_op_opaque():
+    """Under torch.compile(fullgraph=True) the public function calls the custom op, which
+    launches at run time."""
+    args = CASES["kv_rope_insert"]()
+    with cpu_launches() as launches:
+        compiled = torch.compile(lambda *a: cute_kernels.kv_rope_insert(*a), fullgraph=True,
+                                 backend="eager")
+        compiled(*args)
+        assert len(launches) == 1

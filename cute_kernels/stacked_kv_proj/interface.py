@@ -4,12 +4,19 @@ the launch and the public op. Contract: specs/stacked_kv_proj.md."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from .. import dsl_utils as du
-from ..arch import arch_for, device_index, max_active_clusters, sm_count
+from ..arch import (
+    arch_for,
+    device_index,
+    max_active_clusters,
+    queried_max_active_clusters,
+    sm_count,
+)
 from ..compile_cache import KernelCache
 from ..layouts import (
     NORM_DTYPES,
@@ -35,6 +42,10 @@ from ..validation import (
 )
 from .mma import StackedKvProjMma
 from .plan import (
+    CTAS_ENV,
+    IMPL_ENV,
+    SCHEDULE_ENV,
+    TILE_ENV,
     TILES,
     StackedLayout,
     StackedPlan,
@@ -200,7 +211,10 @@ def _resident_ctas(device: torch.device) -> int:
     """CTAs of the wgmma core the GPU runs at once: one per SM (the ring fills the SMEM), as
     many as the driver reports resident for the largest CTA (3 warpgroups). The stream-K
     schedule waits on other CTAs of its grid, so its grid must never exceed this."""
-    return max_active_clusters(device_index(device), 1, 1, 128 * 3)
+    return max_active_clusters(device_index(device), *_RESIDENT_QUERY)
+
+
+_RESIDENT_QUERY = (1, 1, 128 * 3)  # clusters of 1 CTA, 1 per SM, 3 warpgroups
 
 
 # Stream-K hand-over buffers, per (device, stream): a slot per CTA for its first and last
@@ -211,14 +225,23 @@ def _resident_ctas(device: torch.device) -> int:
 WORKSPACE_ALIGN = 16
 _workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 _retired: list[tuple[torch.Tensor, torch.Tensor]] = []
+# torch's current stream of a device, as the cudaStream_t TVM-FFI launches on: the raw query
+# costs a fraction of building a torch.cuda.Stream object
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def _workspace(device: torch.device, slot_floats: int, grid: int) -> tuple[torch.Tensor,
-                                                                          torch.Tensor]:
-    index = device_index(device)
-    key = (index, torch.cuda.current_stream(index).cuda_stream)
+def _current_stream(index: int) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+def _workspace(device: torch.device, index: int, floats: int,
+               counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The buffers of the current stream of CUDA ``device`` (of index ``index``), at least
+    ``floats`` fp32 slots and ``counters`` int32 counters."""
+    key = (index, _current_stream(index))
     held = _workspaces.get(key)
-    floats, counters = 2 * grid * slot_floats, 2 * grid
     if held is None or held[0].numel() < floats or held[1].numel() < counters:
         if held is not None:
             _retired.append(held)
@@ -236,34 +259,73 @@ def _plan(layout: StackedLayout, ctx_hidden: torch.Tensor) -> StackedPlan:
     return choose_plan(layout, ctx_hidden.shape[0], ctx_hidden.shape[1], resident)
 
 
+def _plan_is_final(layout: StackedLayout, device: torch.device) -> bool:
+    """Whether :func:`_plan` used the driver's resident count, which never changes (not the
+    formula :func:`max_active_clusters` falls back on while it cannot query)."""
+    return layout.arch != "sm_90a" or queried_max_active_clusters(device_index(device),
+                                                                 *_RESIDENT_QUERY)
+
+
 def plan_for_call(args: tuple) -> StackedPlan:
     """The plan a call of :func:`stacked_kv_proj` with these (positional, CUDA) arguments
     runs: what ``make perf`` reports next to each time."""
     return _plan(stacked_kv_proj.validate(*args), args[0])
 
 
-def _launch(layout: StackedLayout, args: tuple) -> None:
-    (ctx_hidden, weight, bias, k_norm_weight, eps, positions, cos_sin_cache, cache_loc,
-     k_caches, v_caches, cache_loc_2d, commit_lens) = args
+def _skip(args: tuple) -> None:
+    return None
+
+
+def _launch(layout: StackedLayout, args: tuple) -> Callable[[tuple], None]:
+    """The launch of every call of the layout of ``args`` (see ``ops.cute_op``): the plan (T,
+    H and the ``CUTE_KERNELS_STACKED_*`` overrides are part of the layout), the compiled
+    function and the workspace size are found once; the stream's workspace, the flat view of
+    ``cache_loc_2d`` and the cache tuples per call."""
+    ctx_hidden, _, _, _, _, _, _, _, _, _, cache_loc_2d, _ = args
     if ctx_hidden.shape[0] == 0:
-        return
-    device = ctx_hidden.device
+        return _skip
     plan = _plan(layout, ctx_hidden)
-    loc = cache_loc if cache_loc_2d is None else cache_loc_2d.reshape(-1)
+    if not _plan_is_final(layout, ctx_hidden.device):  # plan each call until the query works
+        return lambda args: _planned(layout, _plan(layout, args[0]), args)(args)
+    return _planned(layout, plan, args)
+
+
+def _planned(layout: StackedLayout, plan: StackedPlan, args: tuple) -> Callable[[tuple], None]:
+    """The launch of the layout of ``args`` (T > 0) with ``plan``."""
+    ctx_hidden, _, _, _, _, _, _, _, _, _, cache_loc_2d, _ = args
+    device = ctx_hidden.device
+    fn = KERNELS.get(StackedKvProjKey(layout, plan.variant))
+    flat = cache_loc_2d is not None
     width = 1 if cache_loc_2d is None else cache_loc_2d.shape[1]
-    schedule = ()
-    if plan.variant.impl == "wgmma":
-        tile = TILES[plan.variant.tile]
-        slot_floats = tile.bm * tile_n(layout.head_dim, layout.kv, tile.wide)
-        work, counters = _workspace(device, slot_floats, plan.grid)
-        schedule = (work, counters, plan.grid, plan.dp_tiles)
-    KERNELS.get(StackedKvProjKey(layout, plan.variant))(
-        ctx_hidden, weight, bias, k_norm_weight, float(eps), positions, cos_sin_cache, loc,
-        commit_lens, width, tuple(k_caches), tuple(v_caches), *schedule,
-    )
+    if plan.variant.impl != "wgmma":
+
+        def launch(args: tuple) -> None:
+            (ctx_hidden, weight, bias, k_norm_weight, eps, positions, cos_sin_cache, cache_loc,
+             k_caches, v_caches, cache_loc_2d, commit_lens) = args
+            fn(ctx_hidden, weight, bias, k_norm_weight, float(eps), positions, cos_sin_cache,
+               cache_loc_2d.reshape(-1) if flat else cache_loc, commit_lens, width,
+               tuple(k_caches), tuple(v_caches))
+
+        return launch
+    tile = TILES[plan.variant.tile]
+    slot_floats = tile.bm * tile_n(layout.head_dim, layout.kv, tile.wide)
+    grid, dp_tiles = plan.grid, plan.dp_tiles
+    floats, counters = 2 * grid * slot_floats, 2 * grid
+    index = device_index(device)
+
+    def launch_wgmma(args: tuple) -> None:
+        (ctx_hidden, weight, bias, k_norm_weight, eps, positions, cos_sin_cache, cache_loc,
+         k_caches, v_caches, cache_loc_2d, commit_lens) = args
+        work, ctrs = _workspace(device, index, floats, counters)
+        fn(ctx_hidden, weight, bias, k_norm_weight, float(eps), positions, cos_sin_cache,
+           cache_loc_2d.reshape(-1) if flat else cache_loc, commit_lens, width,
+           tuple(k_caches), tuple(v_caches), work, ctrs, grid, dp_tiles)
+
+    return launch_wgmma
 
 
-@cute_op("stacked_kv_proj", mutates_args=("k_caches", "v_caches"), launch=_launch)
+@cute_op("stacked_kv_proj", mutates_args=("k_caches", "v_caches"), prepare=_launch,
+         env=(IMPL_ENV, TILE_ENV, SCHEDULE_ENV, CTAS_ENV))
 def stacked_kv_proj(
     ctx_hidden: torch.Tensor,
     weight: torch.Tensor,
