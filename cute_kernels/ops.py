@@ -74,6 +74,10 @@ def _signature(env: object, args: tuple) -> tuple:
     type), so equal signatures mean equal metadata argument by argument."""
     sig = [env]
     add = sig.append
+    # The tensor branch is written out twice (top level, and items of a list) rather than
+    # shared through a helper or a flattening inner loop: measured on the development CPU,
+    # a known kv_rope_insert layout costs 2.72 us this way and 3.23 us with one loop over
+    # flattened items (stacked_kv_proj: 8.31 against 8.94).
     for a in args:
         if isinstance(a, _Tensor):
             add(a.dtype)
