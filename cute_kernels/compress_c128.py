@@ -34,7 +34,7 @@ from .layouts import (
     cache_format,
     norm_dtype_name,
 )
-from .ops import cute_op
+from .ops import cute_op, skip_launch
 from .validation import (
     expect_arg,
     expect_eps,
@@ -508,10 +508,6 @@ def _grid_is_final(device: torch.device) -> bool:
                                        CompressC128.CTAS_PER_SM, 32 * CompressC128.WARPS)
 
 
-def _skip(args: tuple) -> None:
-    return None
-
-
 def _launch(key: CompressC128Key, args: tuple) -> Callable[[tuple], None]:
     """The launch of every call of the layout of ``args`` (see ``ops.cute_op``): the compiled
     function and the grid (T is part of the layout) are found once; a byte view of a bf16/fp8
@@ -519,7 +515,7 @@ def _launch(key: CompressC128Key, args: tuple) -> Callable[[tuple], None]:
     state_cache, _, _, positions, _, _, _, _, k_cache, _, _, fp8_scale = args
     num_tokens = positions.shape[0]
     if num_tokens == 0:
-        return _skip
+        return skip_launch
     fn = KERNELS.get(key)
     device = state_cache.device
     grid = _grid_clusters(device, num_tokens)

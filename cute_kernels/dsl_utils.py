@@ -277,14 +277,13 @@ def store_shared_v4(smem_addr: Int32, w0: Uint32, w1: Uint32, w2: Uint32, w3: Ui
                          read_only_args=[smem_addr, w0, w1, w2, w3])
 
 
-def store_shared_i64x2(smem_addr: Int32, a: Int64, b: Int64) -> None:
-    cute.arch.inline_ptx("st.shared.v2.b64 [{$r0}], {{$r1}, {$r2}};",
-                         read_only_args=[smem_addr, a, b])
+def store_shared_i64(smem_addr: Int32, value: Int64) -> None:
+    cute.arch.inline_ptx("st.shared.b64 [{$r0}], {$r1};", read_only_args=[smem_addr, value])
 
 
-def load_shared_i64x2(smem_addr: Int32) -> tuple[Int64, Int64]:
-    return cute.arch.inline_ptx("ld.shared.v2.b64 {{$w0}, {$w1}}, [{$r0}];",
-                                write_only_types=[Int64, Int64], read_only_args=[smem_addr])
+def load_shared_i64(smem_addr: Int32) -> Int64:
+    return cute.arch.inline_ptx("ld.shared.b64 {$w0}, [{$r0}];", write_only_types=[Int64],
+                                read_only_args=[smem_addr])
 
 
 def load_peer_f32(smem_addr: Int32, peer_rank: Int32) -> Float32:

@@ -28,7 +28,7 @@ from .layouts import (
     CacheFormat,
     cache_format,
 )
-from .ops import cute_op
+from .ops import cute_op, skip_launch
 from .validation import (
     expect_arg,
     expect_bool,
@@ -74,7 +74,7 @@ class KvRopeInsert:
     # (about 120 KiB per SM). 4 CTAs of 256 threads leave ptxas 64 registers a thread.
     CTAS_PER_SM = 4
     STAGES = 4  # a power of two: the ring index is a mask
-    HEADER_BYTES = 16  # slot (int64) and position (int64)
+    HEADER_BYTES = 16  # the slot (int64), padded so that the row starts 16-byte aligned
     ROW_BYTES = 2 * HEAD_DIM  # the bf16 kv row
     CS_BYTES = 4 * ROPE_DIM  # a cos/sin row: 32 cos then 32 sin (fp32)
     DIMS_PER_LANE = HEAD_DIM // 32
@@ -162,7 +162,7 @@ class KvRopeInsert:
             du.cp_async_wait(self.STAGES - 1)
             cute.arch.sync_warp()  # every lane's copies and lane 0's header are visible
             stage = ring + (i % self.STAGES) * self.STAGE_BYTES
-            slot, _ = du.load_shared_i64x2(stage)
+            slot = du.load_shared_i64(stage)
             is_rope_lane = lane >= self.ROPE_FIRST_LANE
             if slot >= 0:  # the same in every lane
                 page, row = self.record_of(mCache, slot)
@@ -259,7 +259,7 @@ class KvRopeInsert:
         items: Int32, lane: Int32,
     ) -> None:
         """Start the copies of item ``item``'s inputs into ring stage ``item % STAGES``: the
-        header (slot, position) from the chunk registers, the kv row (each instruction 512
+        slot (from the chunk registers) as the header, the kv row (each instruction 512
         contiguous bytes: whole sectors), and for a slot that is written its cos/sin row."""
         stage = ring + (item % self.STAGES) * self.STAGE_BYTES
         # the kv row first: its address needs no load (the first slots' copies start while the
@@ -275,7 +275,7 @@ class KvRopeInsert:
         slot = cute.arch.shuffle_sync(tCrChunk[0], offset=item % 32)
         position = cute.arch.shuffle_sync(tCrChunk[1], offset=item % 32)
         if lane == 0:
-            du.store_shared_i64x2(stage, slot, position)
+            du.store_shared_i64(stage, slot)  # the position is only needed for cos/sin, here
         if (lane >= self.ROPE_FIRST_LANE) & (slot >= 0):  # a skipped row's position: any value
             # the 256-byte row as is, 64 contiguous bytes (two whole sectors) an instruction
             table = mCosSin.iterator.toint() + position * (4 * ROPE_DIM)
@@ -422,42 +422,26 @@ def _variants(arch: str) -> list[KvRopeInsertKey]:
 KERNELS = KernelCache("kv_rope_insert", _build, _variants)
 
 
-def _skip(args: tuple) -> None:
-    return None
-
-
 def _launch(key: KvRopeInsertKey, args: tuple) -> Callable[[tuple], None]:
     """The launch of every call of the layout of ``args`` (see ``ops.cute_op``): the compiled
     function is looked up once; a byte view of a bf16/fp8 cache, and a 1-D view of a scale of
     another shape, are made per call."""
     kv, k_cache, slot_mapping, _, _, _, fp8_scale, _ = args
     if slot_mapping.shape[0] == 0:
-        return _skip
+        return skip_launch
     fn = KERNELS.get(key)
     # every CTA resident at once, and no warp without a slot (KvRopeInsert.__call__)
     one_slot_per_warp = -(-slot_mapping.shape[0] // KvRopeInsert.WARPS_PER_CTA)
     grid_ctas = min(one_slot_per_warp, sm_count(kv.device) * KvRopeInsert.CTAS_PER_SM)
-    if key.cache_format is CacheFormat.FP8:
-        flat = fp8_scale.shape != (1,)
-
-        def launch_fp8(args: tuple) -> None:
-            kv, k_cache, slot_mapping, positions, cos_sin_cache, _, fp8_scale, _ = args
-            fn(kv, slot_mapping, positions, cos_sin_cache, k_cache.view(torch.uint8),
-               fp8_scale.reshape(1) if flat else fp8_scale, grid_ctas)
-
-        return launch_fp8
-    if k_cache.dtype != torch.uint8:
-
-        def launch_view(args: tuple) -> None:
-            kv, k_cache, slot_mapping, positions, cos_sin_cache, _, _, _ = args
-            fn(kv, slot_mapping, positions, cos_sin_cache, k_cache.view(torch.uint8), None,
-               grid_ctas)
-
-        return launch_view
+    view = k_cache.dtype != torch.uint8
+    fp8 = key.cache_format is CacheFormat.FP8
+    flat = fp8 and fp8_scale.shape != (1,)
 
     def launch(args: tuple) -> None:
-        kv, k_cache, slot_mapping, positions, cos_sin_cache, _, _, _ = args
-        fn(kv, slot_mapping, positions, cos_sin_cache, k_cache, None, grid_ctas)
+        kv, k_cache, slot_mapping, positions, cos_sin_cache, _, fp8_scale, _ = args
+        scale = (fp8_scale.reshape(1) if flat else fp8_scale) if fp8 else None
+        fn(kv, slot_mapping, positions, cos_sin_cache,
+           k_cache.view(torch.uint8) if view else k_cache, scale, grid_ctas)
 
     return launch
 

@@ -128,19 +128,14 @@ def _env_reader(names: tuple[str, ...]) -> Callable[[], tuple]:
             return slow()
         return tuple(map(get, keys))
 
-    if len(keys) > 1:
-        return read
-    (key,) = keys
-
-    def read_one() -> tuple:
-        if os.environ is not environ:
-            return slow()
-        return (get(key),)
-
-    return read_one
+    return read
 
 
 _read_arch_env = _env_reader((ARCH_ENV,))
+
+
+def skip_launch(args: tuple) -> None:
+    """The launch ``prepare`` returns for a layout with nothing to do (no tokens)."""
 
 
 def layout_signature(args: tuple, env: Sequence[str] = ()) -> tuple:

@@ -26,7 +26,7 @@ from ..layouts import (
     VECTOR_BYTES,
     norm_dtype_name,
 )
-from ..ops import cute_op
+from ..ops import cute_op, skip_launch
 from ..validation import (
     LayoutError,
     describe,
@@ -272,10 +272,6 @@ def plan_for_call(args: tuple) -> StackedPlan:
     return _plan(stacked_kv_proj.validate(*args), args[0])
 
 
-def _skip(args: tuple) -> None:
-    return None
-
-
 def _launch(layout: StackedLayout, args: tuple) -> Callable[[tuple], None]:
     """The launch of every call of the layout of ``args`` (see ``ops.cute_op``): the plan (T,
     H and the ``CUTE_KERNELS_STACKED_*`` overrides are part of the layout), the compiled
@@ -283,7 +279,7 @@ def _launch(layout: StackedLayout, args: tuple) -> Callable[[tuple], None]:
     ``cache_loc_2d`` and the cache tuples per call."""
     ctx_hidden, _, _, _, _, _, _, _, _, _, cache_loc_2d, _ = args
     if ctx_hidden.shape[0] == 0:
-        return _skip
+        return skip_launch
     plan = _plan(layout, ctx_hidden)
     if not _plan_is_final(layout, ctx_hidden.device):  # plan each call until the query works
         return lambda args: _planned(layout, _plan(layout, args[0]), args)(args)
@@ -297,31 +293,24 @@ def _planned(layout: StackedLayout, plan: StackedPlan, args: tuple) -> Callable[
     fn = KERNELS.get(StackedKvProjKey(layout, plan.variant))
     flat = cache_loc_2d is not None
     width = 1 if cache_loc_2d is None else cache_loc_2d.shape[1]
-    if plan.variant.impl != "wgmma":
+    workspace = None  # the wgmma core: (device index, fp32 slots, counters) of its buffers
+    grid_args: tuple = ()
+    if plan.variant.impl == "wgmma":
+        tile = TILES[plan.variant.tile]
+        slot_floats = tile.bm * tile_n(layout.head_dim, layout.kv, tile.wide)
+        workspace = (device_index(device), 2 * plan.grid * slot_floats, 2 * plan.grid)
+        grid_args = (plan.grid, plan.dp_tiles)
 
-        def launch(args: tuple) -> None:
-            (ctx_hidden, weight, bias, k_norm_weight, eps, positions, cos_sin_cache, cache_loc,
-             k_caches, v_caches, cache_loc_2d, commit_lens) = args
-            fn(ctx_hidden, weight, bias, k_norm_weight, float(eps), positions, cos_sin_cache,
-               cache_loc_2d.reshape(-1) if flat else cache_loc, commit_lens, width,
-               tuple(k_caches), tuple(v_caches))
-
-        return launch
-    tile = TILES[plan.variant.tile]
-    slot_floats = tile.bm * tile_n(layout.head_dim, layout.kv, tile.wide)
-    grid, dp_tiles = plan.grid, plan.dp_tiles
-    floats, counters = 2 * grid * slot_floats, 2 * grid
-    index = device_index(device)
-
-    def launch_wgmma(args: tuple) -> None:
+    def launch(args: tuple) -> None:
         (ctx_hidden, weight, bias, k_norm_weight, eps, positions, cos_sin_cache, cache_loc,
          k_caches, v_caches, cache_loc_2d, commit_lens) = args
-        work, ctrs = _workspace(device, index, floats, counters)
+        # the stream-K buffers belong to the current stream: looked up per call
+        schedule = () if workspace is None else (*_workspace(device, *workspace), *grid_args)
         fn(ctx_hidden, weight, bias, k_norm_weight, float(eps), positions, cos_sin_cache,
            cache_loc_2d.reshape(-1) if flat else cache_loc, commit_lens, width,
-           tuple(k_caches), tuple(v_caches), work, ctrs, grid, dp_tiles)
+           tuple(k_caches), tuple(v_caches), *schedule)
 
-    return launch_wgmma
+    return launch
 
 
 @cute_op("stacked_kv_proj", mutates_args=("k_caches", "v_caches"), prepare=_launch,
