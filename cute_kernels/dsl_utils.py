@@ -310,6 +310,20 @@ def store_f32x2(addr: Int64, lo: Float32, hi: Float32) -> None:
     )
 
 
+def store_f32x4(addr: Int64, v0: Float32, v1: Float32, v2: Float32, v3: Float32) -> None:
+    """Four fp32 at a 16-byte aligned byte address, one store."""
+    cute.arch.inline_ptx(
+        "st.global.v4.f32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+        read_only_args=[addr, v0, v1, v2, v3],
+    )
+
+
+def fence_acq_rel() -> None:
+    """``fence.acq_rel.gpu``: after a relaxed atomic that observed other CTAs' releases, their
+    stores are visible to this thread's later loads (and, through a CTA barrier, its CTA's)."""
+    cute.arch.inline_ptx("fence.acq_rel.gpu;")
+
+
 def atomic_add_release(addr: Int64, value: Int32) -> Int32:
     """``atomicAdd`` at gpu scope after a release fence; returns the old value. Every store
     this thread made (and, through a preceding CTA barrier, its CTA made) is visible to any

@@ -58,16 +58,26 @@ def _compress_c128() -> int:
 
 def _stacked_kv_proj() -> int:
     from cute_kernels import reference, stacked_kv_proj
-    from cute_kernels.stacked_kv_proj.plan import SCHEDULE_ENV, TILE_ENV, impls_for, tiles_for
+    from cute_kernels.stacked_kv_proj.plan import (
+        SCHEDULE_ENV,
+        SPLITS_ENV,
+        TILE_ENV,
+        impls_for,
+        tiles_for,
+    )
     from cute_kernels.testing import compare_stacked, stacked_kv_proj_case
 
     arch = f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}a"
+    # every tile of each core, with each schedule: the wgmma core's data-parallel and
+    # stream-K, the mma core's one CTA per tile and split K (3 CTAs per tile)
+    schedules = {"wgmma": ({SCHEDULE_ENV: "dp"}, {SCHEDULE_ENV: "streamk"}),
+                 "mma": ({SPLITS_ENV: "1"}, {SPLITS_ENV: "3"})}
     calls = 0
     for impl in impls_for(arch):
         for tile in tiles_for(impl):
-            for schedule in ("dp", "streamk") if impl == "wgmma" else ("dp",):
-                os.environ.update({"CUTE_KERNELS_STACKED_IMPL": impl, TILE_ENV: tile,
-                                   SCHEDULE_ENV: schedule})
+            for schedule in schedules[impl]:
+                env = {"CUTE_KERNELS_STACKED_IMPL": impl, TILE_ENV: tile, **schedule}
+                os.environ.update(env)
                 case = stacked_kv_proj_case(37, 256, 2, 2, 128, "cuda", bias=True,
                                             commit=True, row_pad=8)
                 _, _, ref_k, ref_v = case.twin()
@@ -75,10 +85,10 @@ def _stacked_kv_proj() -> int:
                 stacked_kv_proj(*case.args())
                 torch.cuda.synchronize()
                 result = compare_stacked(case, ref_k, ref_v)
-                assert result.untouched_equal, (impl, tile, schedule)
+                assert result.untouched_equal, env
                 calls += 1
-    for key in ("CUTE_KERNELS_STACKED_IMPL", TILE_ENV, SCHEDULE_ENV):
-        os.environ.pop(key)
+                for key in env:
+                    os.environ.pop(key)
     return calls
 
 

@@ -296,7 +296,9 @@ def test_a_launch_matches_the_layout():
             assert launch.key.variant == plan.variant
             assert launch.args[7].shape == (8,)  # cache_loc_2d, flattened
             assert launch.args[7].data_ptr() == case.cache_loc_2d.data_ptr()
-            assert launch.args[-2:] == (plan.grid, plan.dp_tiles)
+            schedule = ((plan.grid, plan.dp_tiles) if plan.variant.impl == "wgmma"
+                        else (plan.splits,))
+            assert launch.args[-len(schedule):] == schedule
             assert launch.args[10] == tuple(case.k_caches)
 
 
@@ -319,7 +321,8 @@ def test_stacked_overrides_are_part_of_the_signature(monkeypatch):
         monkeypatch.setenv("CUTE_KERNELS_STACKED_IMPL", "mma")
         del launches[:]
         op(*args)
-        assert launches[0].key.variant.impl == "mma" and len(launches[0].args) == 12
+        # the 12 arguments, then the split-K workspace, its counters and the split count
+        assert launches[0].key.variant.impl == "mma" and len(launches[0].args) == 15
 
 
 @pytest.mark.parametrize("name", ["compress_c128", "stacked_kv_proj"])

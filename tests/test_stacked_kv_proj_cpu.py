@@ -16,6 +16,7 @@ from cute_kernels.stacked_kv_proj.plan import (
     StackedPlan,
     StackedVariant,
     choose_plan,
+    choose_splits,
     choose_tile,
     schedule,
 )
@@ -442,6 +443,11 @@ OVERRIDE_REJECTIONS = {  # name -> (environment, fragments)
                           ("CUTE_KERNELS_STACKED_CTAS", "positive integer")),
     "ctas_zero": (dict(CUTE_KERNELS_ARCH="sm_90a", CUTE_KERNELS_STACKED_CTAS="0"),
                   ("CUTE_KERNELS_STACKED_CTAS", "positive integer")),
+    "splits_not_a_number": (dict(CUTE_KERNELS_ARCH="sm_90a", CUTE_KERNELS_STACKED_SPLITS="x2"),
+                            ("CUTE_KERNELS_STACKED_SPLITS", "positive integer")),
+    "swap_tile_needs_mma": (dict(CUTE_KERNELS_ARCH="sm_90a", CUTE_KERNELS_STACKED_IMPL="wgmma",
+                                 CUTE_KERNELS_STACKED_TILE="swap16"),
+                            ("CUTE_KERNELS_STACKED_TILE", "wgmma core")),
 }
 
 
@@ -480,12 +486,16 @@ def test_layout_on_meta_with_arch_override(arch, monkeypatch):
     monkeypatch.setenv("CUTE_KERNELS_ARCH", arch)
     layout = stacked_kv_proj.validate(*_args("meta").values())
     assert layout == StackedLayout(2, 2, 128, False, False, "float32", arch)
-    plan = choose_plan(layout, 16, 4096, 132)
+    plan = choose_plan(layout, 17, 4096, 132)
     impl = "wgmma" if arch == "sm_90a" else "mma"  # 8 tiles of 1 MB: data-parallel
     assert plan == StackedPlan(StackedVariant(impl, "m64"), False, 8, 8)
+    # T <= 16 on either arch: the swapped tile on the mma core, 8 tiles split 9 ways (9 x 8
+    # rings of 108 KiB hold the 8 MiB in flight)
+    assert choose_plan(layout, 16, 4096, 132) == StackedPlan(
+        StackedVariant("mma", "swap16"), False, 72, 8, 9)
     if arch == "sm_90a":  # D = 256, 4 tiles of 2.5 MB: stream-K, at most 16 CTAs per tile
         wide = dataclasses.replace(layout, n_kv=1, head_dim=256)
-        assert choose_plan(wide, 16, 5120, 132) == StackedPlan(StackedVariant("wgmma", "m64"),
+        assert choose_plan(wide, 17, 5120, 132) == StackedPlan(StackedVariant("wgmma", "m64"),
                                                                True, 60, 0)
 
 
@@ -508,7 +518,10 @@ DRAFTER_TP8 = StackedLayout(5, 1, 128, False, False, "float32", "sm_90a")  # 10 
 
 
 @pytest.mark.parametrize(("env", "expected"), [
-    ({}, (False, 10)),  # 10 tiles of 1 MB: data-parallel
+    ({}, (False, 80)),  # T = 1: the swapped tile, 10 tiles of 1 MB split 8 ways
+    ({"CUTE_KERNELS_STACKED_SPLITS": "3"}, (False, 30)),
+    ({"CUTE_KERNELS_STACKED_SPLITS": "100"}, (False, 640)),  # capped at 64 k-tiles
+    ({"CUTE_KERNELS_STACKED_SCHEDULE": "dp"}, (False, 10)),  # a schedule: the wgmma core
     ({"CUTE_KERNELS_STACKED_SCHEDULE": "streamk"}, (True, 132)),
     ({"CUTE_KERNELS_STACKED_SCHEDULE": "streamk", "CUTE_KERNELS_STACKED_CTAS": "7"},
      (True, 7)),
@@ -520,11 +533,28 @@ def test_plan_overrides(env, expected, monkeypatch):
     assert (plan.stream_k, plan.grid) == expected
 
 
-def test_mma_core_is_data_parallel(monkeypatch):
+def test_mma_core_has_no_stream_k(monkeypatch):
+    """On sm_100a the mma core runs: data-parallel tiles above T = 16 (a forced stream-K
+    schedule is the wgmma core's), the split swapped tile at decode sizes."""
     monkeypatch.setenv("CUTE_KERNELS_STACKED_SCHEDULE", "streamk")
     layout = dataclasses.replace(DRAFTER_TP8, arch="sm_100a")
-    assert choose_plan(layout, 1, 4096, 148) == StackedPlan(StackedVariant("mma", "m64"),
-                                                            False, 10, 10)
+    assert choose_plan(layout, 17, 4096, 148) == StackedPlan(StackedVariant("mma", "m64"),
+                                                             False, 10, 10)
+    monkeypatch.delenv("CUTE_KERNELS_STACKED_SCHEDULE")
+    assert choose_plan(layout, 1, 4096, 148) == StackedPlan(StackedVariant("mma", "swap16"),
+                                                            False, 80, 10, 8)
+
+
+@pytest.mark.parametrize(("tiles", "k_tiles", "resident", "gathered", "expected"), [
+    (10, 64, 264, 198, 8),  # TP 8: 8 MiB over 10 rings of 108 KiB
+    (80, 64, 264, 198, 1),  # TP 1: 80 rings already hold it
+    (2, 32, 264, 198, 32),  # a 0.5 MB weight: capped at the k-tiles
+    (2, 64, 264, 12, 12),  # 16 rows: capped at the partials one gather holds
+    (2, 64, 20, 198, 10),  # capped so that every CTA is resident
+])
+def test_choose_splits(tiles, k_tiles, resident, gathered, expected, monkeypatch):
+    monkeypatch.delenv("CUTE_KERNELS_STACKED_SPLITS", raising=False)
+    assert choose_splits(tiles, k_tiles, resident, 110592, gathered) == expected
 
 
 def test_kernel_entry_requires_cuda():

@@ -28,6 +28,7 @@ from cute_kernels.stacked_kv_proj.plan import (
     CTAS_ENV,
     IMPL_ENV,
     SCHEDULE_ENV,
+    SPLITS_ENV,
     TILE_ENV,
     TILES,
     tiles_for,
@@ -189,10 +190,42 @@ def test_stream_k(case_args, monkeypatch):
     _check(case, rounds=3)
 
 
-@pytest.mark.parametrize("schedule", ["dp", "streamk"])
+SPLIT_K_CASES = [  # (tokens, H, L, n_kv, D, tile, splits): the mma core's split K
+    (1, 4096, 5, 1, 128, "auto", None),  # a TP-8 decode step: the planned split (8)
+    (7, 2560, 1, 1, 256, "swap16", 5),  # n_kv 1, D 256, L 1: 40 k-tiles in 5 ranges
+    (16, 448, 2, 2, 128, "swap16", 3),  # H 448: 7 k-tiles in 3 uneven ranges
+    (5, 128, 2, 2, 128, "swap16", 4),  # 2 k-tiles: fewer than the split (capped at 2)
+    (16, 4096, 3, 4, 64, "swap16", 32),  # 32 partials of 16 rows: three gather batches
+    (3, 1024, 1, 1, 64, "swap16", 6),  # kv 64: more epilogue thread rows than tile rows
+    (40, 1024, 2, 2, 128, "swap16", 3),  # 3 token tiles, the last one partial
+    (100, 1024, 2, 2, 128, "m64", 3),  # split K on a data-parallel tile
+]
+
+
+@pytest.mark.parametrize("case_args", SPLIT_K_CASES, ids=str)
+def test_split_k(case_args, monkeypatch):
+    """The mma core's split K forced on small and odd layouts: every tile's partials summed
+    in split order by the CTA that arrives last, skipped rows untouched."""
+    tokens, hidden, layers, n_kv, head_dim, tile, splits = case_args
+    monkeypatch.setenv(IMPL_ENV, "mma")
+    monkeypatch.setenv(TILE_ENV, tile)
+    if splits is not None:
+        monkeypatch.setenv(SPLITS_ENV, str(splits))
+    case = make_case(tokens, hidden, layers, n_kv, head_dim, "cuda", bias=True,
+                     commit=tokens % 5 == 0, seed=tokens + hidden)
+    _check(case, rounds=3)
+
+
+SCHEDULES = {"dp": {SCHEDULE_ENV: "dp"}, "streamk": {SCHEDULE_ENV: "streamk"},
+             "splitk": {IMPL_ENV: "mma", TILE_ENV: "swap16", SPLITS_ENV: "7"}}
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_bitwise_deterministic(schedule, monkeypatch):
-    """Two runs on the same inputs give identical bytes (the stream-K sum has a fixed order)."""
-    monkeypatch.setenv(SCHEDULE_ENV, schedule)
+    """Two runs on the same inputs give identical bytes (the stream-K and split-K sums have a
+    fixed order)."""
+    for name, value in SCHEDULES[schedule].items():
+        monkeypatch.setenv(name, value)
     case = make_case(64, 4096, 5, 1, 128, "cuda", seed=5)
     results = []
     for _ in range(3):
@@ -213,7 +246,8 @@ def test_all_rows_skipped():
 @pytest.mark.parametrize("schedule", ["dp", "streamk"])
 @pytest.mark.parametrize("tokens", [7, 257])
 def test_cuda_graph_replay_with_mutated_inputs(tokens, schedule, impl, monkeypatch):
-    """Replays of one captured call (stream-K: its counters return to zero each time)."""
+    """Replays of one captured call (stream-K and split K: their counters return to zero
+    each time; the mma core at T = 7 is split K)."""
     monkeypatch.setenv(SCHEDULE_ENV, schedule)
     case = make_case(tokens, 2560, 5, 8, 128, "cuda", commit=True, bias=True, seed=21)
     stacked_kv_proj(*case.args())  # compile before capture
@@ -241,7 +275,7 @@ def test_torch_compile_fullgraph():
 
 
 def test_one_compile_serves_every_token_count():
-    for tokens in (5, 300, 2000):  # warm the three tiles (m64, m128, m128w)
+    for tokens in (5, 64, 300, 2000):  # warm the four tiles (swap16, m64, m128, m128w)
         stacked_kv_proj(*make_case(tokens, 2560, 5, 8, 128, "cuda").args())
     before = cute_kernels.cache_stats()["compiles"]
     for tokens in (1, 17, 64, 65, 256, 257, 2000):

@@ -45,6 +45,7 @@ from .plan import (
     CTAS_ENV,
     IMPL_ENV,
     SCHEDULE_ENV,
+    SPLITS_ENV,
     TILE_ENV,
     TILES,
     StackedLayout,
@@ -122,10 +123,11 @@ def _build(key: StackedKvProjKey):
     v_caches = tuple(cache("v_caches") for _ in range(layout.num_layers))
     kernel = CORES[plan.impl](layout.num_layers, layout.n_kv, d, layout.has_bias,
                               layout.has_commit, norm_dtype, TILES[plan.tile])
-    schedule = ()
-    if plan.impl == "wgmma":  # the stream-K workspace and counters, the grid, the DP tiles
-        schedule = (du.fake_row_major(Float32, (du.sym(),), align=WORKSPACE_ALIGN),
-                    du.fake_row_major(Int32, (du.sym(),), align=4), Int32(1), Int32(1))
+    # the split-K / stream-K workspace and counters, then the wgmma core's grid and DP tiles,
+    # or the mma core's K splits per tile
+    schedule = (du.fake_row_major(Float32, (du.sym(),), align=WORKSPACE_ALIGN),
+                du.fake_row_major(Int32, (du.sym(),), align=4),
+                *((Int32(1), Int32(1)) if plan.impl == "wgmma" else (Int32(1),)))
     return du.compile_tvm_ffi(
         kernel, x, w, bias, norm_w, Float32(1e-6), pos, cos_sin, loc, commit, Int32(1),
         k_caches, v_caches, *schedule, du.env_stream(), arch=layout.arch,
@@ -217,8 +219,9 @@ def _resident_ctas(device: torch.device) -> int:
 _RESIDENT_QUERY = (1, 1, 128 * 3)  # clusters of 1 CTA, 1 per SM, 3 warpgroups
 
 
-# Stream-K hand-over buffers, per (device, stream): a slot per CTA for its first and last
-# tile, and a counter per stream-K tile. Allocated on first use and kept (a CUDA graph
+# Hand-over buffers of split tiles, per (device, stream): the wgmma core's stream-K slots (a
+# CTA's first and last tile) or the mma core's split-K slots (one per CTA), and a counter per
+# split tile. Allocated on first use and kept (a CUDA graph
 # captures their addresses; the kernel returns the counters to zero), grown when a larger
 # tile or grid needs more: the old buffers stay alive for graphs that captured them. Calls on
 # different streams get different buffers, so they may run concurrently.
@@ -293,19 +296,23 @@ def _planned(layout: StackedLayout, plan: StackedPlan, args: tuple) -> Callable[
     fn = KERNELS.get(StackedKvProjKey(layout, plan.variant))
     flat = cache_loc_2d is not None
     width = 1 if cache_loc_2d is None else cache_loc_2d.shape[1]
-    workspace = None  # the wgmma core: (device index, fp32 slots, counters) of its buffers
-    grid_args: tuple = ()
-    if plan.variant.impl == "wgmma":
-        tile = TILES[plan.variant.tile]
-        slot_floats = tile.bm * tile_n(layout.head_dim, layout.kv, tile.wide)
+    # (device index, fp32 slots, counters) of the hand-over buffers, and the schedule
+    tile = TILES[plan.variant.tile]
+    slot_floats = tile.bm * tile_n(layout.head_dim, layout.kv, tile.wide)
+    if plan.variant.impl == "wgmma":  # two stream-K slots per CTA, a counter per tile
         workspace = (device_index(device), 2 * plan.grid * slot_floats, 2 * plan.grid)
-        grid_args = (plan.grid, plan.dp_tiles)
+        grid_args: tuple = (plan.grid, plan.dp_tiles)
+    else:  # a slot per CTA of a split tile, a counter per tile
+        split = plan.splits > 1
+        workspace = (device_index(device), plan.grid * slot_floats if split else 4,
+                     plan.dp_tiles if split else 1)
+        grid_args = (plan.splits,)
 
     def launch(args: tuple) -> None:
         (ctx_hidden, weight, bias, k_norm_weight, eps, positions, cos_sin_cache, cache_loc,
          k_caches, v_caches, cache_loc_2d, commit_lens) = args
-        # the stream-K buffers belong to the current stream: looked up per call
-        schedule = () if workspace is None else (*_workspace(device, *workspace), *grid_args)
+        # the hand-over buffers belong to the current stream: looked up per call
+        schedule = (*_workspace(device, *workspace), *grid_args)
         fn(ctx_hidden, weight, bias, k_norm_weight, float(eps), positions, cos_sin_cache,
            cache_loc_2d.reshape(-1) if flat else cache_loc, commit_lens, width,
            tuple(k_caches), tuple(v_caches), *schedule)
@@ -314,7 +321,7 @@ def _planned(layout: StackedLayout, plan: StackedPlan, args: tuple) -> Callable[
 
 
 @cute_op("stacked_kv_proj", mutates_args=("k_caches", "v_caches"), prepare=_launch,
-         env=(IMPL_ENV, TILE_ENV, SCHEDULE_ENV, CTAS_ENV))
+         env=(IMPL_ENV, TILE_ENV, SCHEDULE_ENV, CTAS_ENV, SPLITS_ENV))
 def stacked_kv_proj(
     ctx_hidden: torch.Tensor,
     weight: torch.Tensor,

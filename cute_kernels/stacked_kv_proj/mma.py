@@ -1,6 +1,7 @@
-"""Portable stacked KV projection core: ``cp.async`` + warp ``mma.sync``, one tile per CTA, the
-accumulators staged through SMEM for the norm/RoPE/scatter epilogue. Runs on sm_80 and later:
-the core of sm_100a, and the fallback of sm_90a."""
+"""Portable stacked KV projection core: ``cp.async`` + warp ``mma.sync``, one tile (or one
+k-range of a tile) per CTA, the accumulators staged through SMEM for the norm/RoPE/scatter
+epilogue. Runs on sm_80 and later: the core of sm_100a, the fallback of sm_90a and, with the
+swapped decode tiles, the core of T <= 64 on both."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import math
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
+from cutlass import BFloat16, Boolean, Float32, Int32, Int64, Uint32, const_expr
 
 from .. import dsl_utils as du
 from .base import StackedKvProjBase, neox_rotate, r1, r2
-from .plan import TileConfig
+from .plan import TileConfig, swap_ring
 
 CHUNK = 8  # columns per thread per half head in the epilogue (one 16-byte bf16 vector)
 SMEM_BUDGET = 200 * 1024  # bytes of A/B ring per CTA (227 KiB is the sm_90/sm_100 maximum)
@@ -25,24 +26,45 @@ class StackedKvProjMma(StackedKvProjBase):
     The fp32 accumulators go through SMEM; a second thread mapping then gives each thread 8
     columns of one head's first half and the 8 NeoX partners ``d + D/2`` of one row, so the
     pair is register-local, the sum of squares is an in-thread sum plus a butterfly over the
-    ``D / 16`` threads of the head, and each half leaves as one 16-byte store."""
+    ``D / 16`` threads of the head, and each half leaves as one 16-byte store.
+
+    Swapped tiles (decode sizes): the MMA computes ``W_tile @ X_tile^T`` — the ``bn`` weight
+    rows are its M (four warps of 32 rows) and the ``bm`` tokens its N — so each ring stage is
+    ``bn`` weight rows plus only ``bm`` token rows, and the staging writes the transposed
+    fragment into the same ``[token, column]`` SMEM tile the epilogue reads.
+
+    Split K (``splits > 1``, any tile): CTA ``b`` runs k-tiles ``[s K / S, (s + 1) K / S)`` of
+    tile ``b / S`` (``s = b mod S``), stores its fp32 partial (rows ``< T``) to its workspace
+    slot and counts itself on the tile's counter (release); the CTA that arrives last
+    (acquire) sums all ``S`` partials in split order ``((p0 + p1) + p2) + ...`` — a fixed
+    order, so the result is bitwise the same run to run — runs the epilogue and resets the
+    counter for the next launch. Nobody waits for anybody: no co-residency is needed."""
 
     def __init__(self, num_layers: int, n_kv: int, head_dim: int, has_bias: bool,
                  has_commit: bool, norm_dtype: type, tile: TileConfig) -> None:
         assert not tile.wide, "the mma core has no wide tile"
-        self.warps_m, self.warps_n = 2, tile.bm // 32
+        self.swap = tile.swap
+        # warps along the MMA's (M, N): weight rows x tokens when swapped
+        self.warps_m, self.warps_n = (4, 1) if tile.swap else (2, tile.bm // 32)
         super().__init__(num_layers, n_kv, head_dim, has_bias, has_commit, norm_dtype, tile,
                          32 * self.warps_m * self.warps_n)
-        self.stages = self.ring_stages(tile.mma_stages, SMEM_BUDGET)
-        assert self.bm % (16 * self.warps_m) == 0 and self.bn % (16 * self.warps_n) == 0
+        if tile.swap:
+            self.stages = swap_ring(tile, self.bn)[0]
+        else:
+            self.stages = self.ring_stages(tile.mma_stages, SMEM_BUDGET)
+        self.mma_m, self.mma_n = (self.bn, self.bm) if tile.swap else (self.bm, self.bn)
+        assert self.mma_m % (16 * self.warps_m) == 0 and self.mma_n % (16 * self.warps_n) == 0
         # Epilogue thread mapping: lanes_per_head threads per (row, head), heads of the tile
         # next, rows last; each thread keeps its columns for every row it handles.
         self.lanes_per_head = head_dim // (2 * CHUNK)
         self.row_step = self.threads // (self.lanes_per_head * self.heads_per_tile)
-        assert self.row_step >= 1 and self.bm % self.row_step == 0
+        assert self.row_step >= 1 and (self.bm % self.row_step == 0
+                                       or self.row_step % self.bm == 0)
+        self.rows_per_thread = max(1, self.bm // self.row_step)
         self.c_stride = self.bn + 8  # fp32 staging row, padded: 2 wavefronts per 64-bit store
-        stage_bytes = (self.bm + self.bn) * self.bk * 2
-        assert self.bm * self.c_stride * 4 <= self.stages * stage_bytes, "C reuses the A/B ring"
+        self.ring_bytes = self.stages * (self.bm + self.bn) * self.bk * 2
+        self.c_bytes = self.bm * self.c_stride * 4
+        assert self.c_bytes <= self.ring_bytes, "C reuses the A/B ring"
 
     # -- host side -------------------------------------------------------------------------
 
@@ -77,10 +99,13 @@ class StackedKvProjMma(StackedKvProjBase):
         width: Int32,
         k_caches: tuple,
         v_caches: tuple,
+        mWork: cute.Tensor,
+        mCount: cute.Tensor,
+        splits: Int32,
         stream: cuda.CUstream,
     ) -> None:
-        sA_layout = self._smem_layout_ab(self.bm)
-        sB_layout = self._smem_layout_ab(self.bn)
+        sA_layout = self._smem_layout_ab(self.mma_m)
+        sB_layout = self._smem_layout_ab(self.mma_n)
         g2s = du.cp_async_atom(BFloat16)
         copy_a = self._gmem_copy(g2s)
         copy_b = self._gmem_copy(g2s)
@@ -93,9 +118,9 @@ class StackedKvProjMma(StackedKvProjBase):
         num_m_tiles = cute.ceil_div(mX.shape[0], self.bm)
         self.kernel(
             mX, mW, mBias, mNormW, eps, mPos, mCosSin, mLoc, mCommit, width, k_caches, v_caches,
-            sA_layout, sB_layout, copy_a, copy_b, tiled_mma,
+            mWork, mCount, splits, sA_layout, sB_layout, copy_a, copy_b, tiled_mma,
         ).launch(
-            grid=[num_m_tiles * self.num_n_tiles, 1, 1],
+            grid=[num_m_tiles * self.num_n_tiles * splits, 1, 1],
             block=[self.threads, 1, 1],
             stream=stream,
         )
@@ -117,6 +142,9 @@ class StackedKvProjMma(StackedKvProjBase):
         width: Int32,
         k_caches: tuple,
         v_caches: tuple,
+        mWork: cute.Tensor,
+        mCount: cute.Tensor,
+        splits: Int32,
         sA_layout: cute.ComposedLayout,
         sB_layout: cute.ComposedLayout,
         copy_a: cute.TiledCopy,
@@ -127,70 +155,169 @@ class StackedKvProjMma(StackedKvProjBase):
         bid, _, _ = cute.arch.block_idx()
         num_tokens = mX.shape[0]
         num_m_tiles = cute.ceil_div(num_tokens, self.bm)
-        tile_m, tile_n = self.tile_coords(bid, num_m_tiles)
+        tile = bid // splits
+        split = bid - tile * splits
+        tile_m, tile_n = self.tile_coords(tile, num_m_tiles)
+        k_tiles = mX.shape[1] // self.bk
+        k_lo = split * k_tiles // splits
+        k_hi = (split + 1) * k_tiles // splits
 
         smem = cutlass.memory.SmemAllocator()
         sA = smem.allocate_tensor(BFloat16, sA_layout, 1024)
         sB = smem.allocate_tensor(BFloat16, sB_layout, 1024)
+        sLast = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
 
-        tCrC = self.mainloop(mX, mW, sA, sB, copy_a, copy_b, tiled_mma, tile_m, tile_n, tidx)
+        # The epilogue's row metadata, fetched now: it lands while the main loop runs.
+        rSlot = cute.make_rmem_tensor((self.rows_per_thread,), Int64)
+        rPos = cute.make_rmem_tensor((self.rows_per_thread,), Int64)
+        rCommitted = cute.make_rmem_tensor((self.rows_per_thread,), Int32)
+        rCos = cute.make_rmem_tensor((self.rows_per_thread, CHUNK), Float32)
+        rSin = cute.make_rmem_tensor((self.rows_per_thread, CHUNK), Float32)
+        self.row_inputs(mPos, mLoc, mCommit, width, tile_m, tidx, rSlot, rPos, rCommitted)
 
-        # fp32 accumulators -> padded SMEM tile (reusing the ring), then the epilogue mapping.
+        if const_expr(self.swap):  # weight rows are the MMA's M, tokens its N
+            tCrC = self.mainloop(mW, tile_n, mX, tile_m, sA, sB, copy_a, copy_b, tiled_mma,
+                                 k_lo, k_hi, tidx)
+        else:
+            tCrC = self.mainloop(mX, tile_m, mW, tile_n, sA, sB, copy_a, copy_b, tiled_mma,
+                                 k_lo, k_hi, tidx)
+
+        # fp32 accumulators -> padded [token, column] SMEM tile (reusing the ring), then the
+        # epilogue mapping. A swapped fragment is written through the transposed view.
         c_layout = cute.make_layout((self.bm, self.bn), stride=(self.c_stride, 1))
         sC = cute.make_tensor(cute.recast_ptr(sA.iterator, dtype=Float32), c_layout)
+        sC_mma = sC
+        if const_expr(self.swap):
+            sC_mma = cute.make_tensor(sC.iterator, cute.make_layout(
+                (self.bn, self.bm), stride=(1, self.c_stride)))
         thr_mma = tiled_mma.get_slice(tidx)
-        cute.autovec_copy(tCrC, thr_mma.partition_C(sC))
+        cute.autovec_copy(tCrC, thr_mma.partition_C(sC_mma))
+        _, is_k, _, _ = self.tile_destination(tile_n, k_caches, v_caches, Int32(0))
+        self.rope_inputs(mCosSin, tile_m, is_k, num_tokens, tidx, rSlot, rPos, rCommitted,
+                         rCos, rSin)
         cute.arch.sync_threads()
-        self.epilogue(
-            sC, mBias, mNormW, eps, mPos, mCosSin, mLoc, mCommit, width, k_caches, v_caches,
-            tile_m, tile_n, tidx,
-        )
+        finishes = Boolean(True)
+        if splits > 1:
+            rows_valid = cutlass.min(num_tokens - tile_m * self.bm, self.bm)
+            finishes = self.reduce_splits(sC, sLast, mWork, mCount, tile, split, splits,
+                                          rows_valid, tidx)
+        if finishes:
+            self.epilogue(sC, mBias, mNormW, eps, num_tokens, k_caches, v_caches, tile_m,
+                          tile_n, tidx, rSlot, rCommitted, rCos, rSin)
+
+    @cute.jit
+    def reduce_splits(self, sC: cute.Tensor, sLast: cute.Tensor, mWork: cute.Tensor,
+                      mCount: cute.Tensor, tile: Int32, split: Int32, splits: Int32,
+                      rows_valid: Int32, tidx: Int32) -> Boolean:
+        """Hand this CTA's partial of ``tile`` (in ``sC``) over; if it is the last of the
+        tile's ``splits`` to arrive, leave the sum of all partials in split order in ``sC``
+        (rows ``< rows_valid``) and return True.
+
+        Thread ``t`` owns the 16-byte chunks ``t, t + threads, ...`` of the valid rows: it
+        stores them, and, in the last CTA, gathers the same chunks of every partial with
+        ``cp.async`` (all of a batch in flight: one L2 round trip per batch) and sums them, so
+        no barrier is needed between its copies and its sums. A batch is as many partials as
+        the ring holds beyond ``sC``."""
+        vectors = self.bn // 4  # 16-byte chunks per row
+        chunks = rows_valid * vectors
+        partial_bytes = self.bm * self.bn * 4
+        tile_slots = mWork.iterator.toint() + Int64(tile) * splits * partial_bytes
+        counter = mCount.iterator.toint() + Int64(tile) * 4
+        c_base = Int32(sC.iterator.toint())
+        for q in cutlass.range(tidx, chunks, self.threads, unroll=1):
+            row = q // vectors
+            col = (q - row * vectors) * 4
+            v0, v1, v2, v3 = du.load_shared_v4(c_base + (row * self.c_stride + col) * 4,
+                                               Float32)
+            du.store_f32x4(tile_slots + Int64(split) * partial_bytes
+                           + Int64(row * self.bn + col) * 4, v0, v1, v2, v3)
+        # Every thread's stores precede the one release (CTA barrier, then a gpu-scope
+        # release by one thread: cumulativity carries the others' stores).
+        cute.arch.sync_threads()
+        if tidx == 0:
+            arrived = du.atomic_add_release(counter, Int32(1))
+            du.fence_acq_rel()  # acquire: the other partials are visible after the barrier
+            sLast[0] = arrived
+        cute.arch.sync_threads()
+        last = sLast[0] == splits - 1
+        if last:
+            if tidx == 0:  # every split has arrived: zero for the next launch
+                du.store_relaxed(counter, Int32(0))
+            g_base = c_base + (self.c_bytes + 15) // 16 * 16  # the ring beyond sC
+            batch = cutlass.max((self.ring_bytes - (g_base - c_base)) // (chunks * 16), 1)
+            for first in cutlass.range(0, splits, batch, unroll=1):
+                count = cutlass.min(batch, splits - first)
+                for c in cutlass.range(count, unroll=1):
+                    src = tile_slots + Int64(first + c) * partial_bytes
+                    for q in cutlass.range(tidx, chunks, self.threads, unroll=1):
+                        row = q // vectors
+                        col = (q - row * vectors) * 4
+                        du.cp_async_16(g_base + (c * chunks + q) * 16,
+                                       src + Int64(row * self.bn + col) * 4)
+                du.cp_async_commit()
+                du.cp_async_wait(0)
+                for q in cutlass.range(tidx, chunks, self.threads, unroll=1):
+                    row = q // vectors
+                    at = c_base + (row * self.c_stride + (q - row * vectors) * 4) * 4
+                    s0, s1, s2, s3 = du.load_shared_v4(at, Float32)
+                    for c in cutlass.range(count, unroll=1):
+                        p0, p1, p2, p3 = du.load_shared_v4(g_base + (c * chunks + q) * 16,
+                                                           Float32)
+                        if (first == 0) & (c == 0):
+                            s0, s1, s2, s3 = p0, p1, p2, p3
+                        else:
+                            s0 = du.add_rn(s0, p0)
+                            s1 = du.add_rn(s1, p1)
+                            s2 = du.add_rn(s2, p2)
+                            s3 = du.add_rn(s3, p3)
+                    du.store_shared_v4(at, s0, s1, s2, s3)
+            cute.arch.sync_threads()  # the epilogue reads sC with another mapping
+        return last
 
     @cute.jit
     def mainloop(
         self,
-        mX: cute.Tensor,
-        mW: cute.Tensor,
+        mA: cute.Tensor,
+        tile_a: Int32,
+        mB: cute.Tensor,
+        tile_b: Int32,
         sA: cute.Tensor,
         sB: cute.Tensor,
         copy_a: cute.TiledCopy,
         copy_b: cute.TiledCopy,
         tiled_mma: cute.TiledMma,
-        tile_m: Int32,
-        tile_n: Int32,
+        k_lo: Int32,
+        k_hi: Int32,
         tidx: Int32,
     ) -> cute.Tensor:
-        """``acc = X[tile_m] @ W[tile_n]^T`` over all of H; returns the fp32 fragment."""
-        k_tiles = mX.shape[1] // self.bk
-        gA = cute.local_tile(mX, (self.bm, self.bk), (tile_m, None))  # (bm, bk, k_tiles)
-        gB = cute.local_tile(mW, (self.bn, self.bk), (tile_n, None))
-        cA = cute.local_tile(cute.make_identity_tensor(mX.shape), (self.bm, self.bk),
-                             (tile_m, None))
+        """``acc = A[tile_a] @ B[tile_b]^T`` over k-tiles ``[k_lo, k_hi)``; returns the fp32
+        fragment. A and B are ``ctx_hidden`` and ``weight``, or the reverse when swapped."""
+        gA = cute.local_tile(mA, (self.mma_m, self.bk), (tile_a, None))  # (rows, bk, k_tiles)
+        gB = cute.local_tile(mB, (self.mma_n, self.bk), (tile_b, None))
+        cA = cute.local_tile(cute.make_identity_tensor(mA.shape), (self.mma_m, self.bk),
+                             (tile_a, None))
+        cB = cute.local_tile(cute.make_identity_tensor(mB.shape), (self.mma_n, self.bk),
+                             (tile_b, None))
         thr_a = copy_a.get_slice(tidx)
         thr_b = copy_b.get_slice(tidx)
-        tAgA, tAsA, tAcA = thr_a.partition_S(gA), thr_a.partition_D(sA), thr_a.partition_S(cA)
+        tAgA, tAsA = thr_a.partition_S(gA), thr_a.partition_D(sA)
         tBgB, tBsB = thr_b.partition_S(gB), thr_b.partition_D(sB)
 
         # Token rows beyond T are never loaded (their SMEM rows hold stale data, which only
-        # reaches accumulator rows that are never stored: the GEMM is row-independent).
-        tApA = cute.make_rmem_tensor(
-            cute.make_layout(
-                (tAgA.shape[0][1], cute.size(tAgA, mode=[1]), cute.size(tAgA, mode=[2])),
-                stride=(cute.size(tAgA, mode=[1]), 1, 0),
-            ),
-            cutlass.Boolean,
-        )
-        for v in cutlass.range_constexpr(tApA.shape[0]):
-            for m in cutlass.range_constexpr(tApA.shape[1]):
-                tApA[v, m, 0] = cute.elem_less(tAcA[(0, v), m, 0, 0][0], mX.shape[0])
+        # reaches accumulator rows that are never stored: the GEMM is row-independent). The
+        # weight operand is predicated the same way; its rows are always in range.
+        tApA = self._row_predicate(tAgA, thr_a.partition_S(cA), mA.shape[0])
+        tBpB = self._row_predicate(tBgB, thr_b.partition_S(cB), mB.shape[0])
+        k_count = k_hi - k_lo
 
-        # Prologue: stages - 1 tiles in flight (fewer when H is short; every group committed).
+        # Prologue: stages - 1 tiles in flight (fewer when the range is short; every group
+        # committed).
         for s in cutlass.range_constexpr(self.stages - 1):
-            if s < k_tiles:
-                cute.copy(copy_a, tAgA[None, None, None, s],
+            if s < k_count:
+                cute.copy(copy_a, tAgA[None, None, None, k_lo + s],
                           tAsA[None, None, None, s], pred=tApA)
-                cute.copy(copy_b, tBgB[None, None, None, s],
-                          tBsB[None, None, None, s])
+                cute.copy(copy_b, tBgB[None, None, None, k_lo + s],
+                          tBsB[None, None, None, s], pred=tBpB)
             cute.arch.cp_async_commit_group()
 
         thr_mma = tiled_mma.get_slice(tidx)
@@ -198,7 +325,8 @@ class StackedKvProjMma(StackedKvProjBase):
         tCsB = thr_mma.partition_B(sB)
         tCrA = tiled_mma.make_fragment_A(tCsA[None, None, None, 0])
         tCrB = tiled_mma.make_fragment_B(tCsB[None, None, None, 0])
-        tCrC = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bm, self.bn)), Float32)
+        tCrC = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.mma_m, self.mma_n)),
+                                     Float32)
         tCrC.fill(0.0)
 
         s2r_a = cute.make_tiled_copy_A(
@@ -227,7 +355,7 @@ class StackedKvProjMma(StackedKvProjBase):
         cute.copy(s2r_a, tXsA_p[None, None, 0], tXrA[None, None, 0])
         cute.copy(s2r_b, tXsB_p[None, None, 0], tXrB[None, None, 0])
 
-        for _k_tile in range(k_tiles):
+        for _k_tile in range(k_count):
             for kb in cutlass.range_constexpr(k_blocks):
                 if const_expr(kb == k_blocks - 1):
                     # The stage just consumed is free (everyone passed the barrier below on
@@ -240,11 +368,11 @@ class StackedKvProjMma(StackedKvProjBase):
                 cute.copy(s2r_a, tXsA_p[None, None, kb_next], tXrA[None, None, kb_next])
                 cute.copy(s2r_b, tXsB_p[None, None, kb_next], tXrB[None, None, kb_next])
                 if const_expr(kb == 0):
-                    if next_tile < k_tiles:
-                        cute.copy(copy_a, tAgA[None, None, None, next_tile],
+                    if next_tile < k_count:
+                        cute.copy(copy_a, tAgA[None, None, None, k_lo + next_tile],
                                   tAsA[None, None, None, write_stage], pred=tApA)
-                        cute.copy(copy_b, tBgB[None, None, None, next_tile],
-                                  tBsB[None, None, None, write_stage])
+                        cute.copy(copy_b, tBgB[None, None, None, k_lo + next_tile],
+                                  tBsB[None, None, None, write_stage], pred=tBpB)
                     next_tile = next_tile + 1
                     cute.arch.cp_async_commit_group()
                     write_stage = read_stage
@@ -257,6 +385,76 @@ class StackedKvProjMma(StackedKvProjBase):
         cute.arch.sync_threads()  # the ring is reused for the C staging tile
         return tCrC
 
+    @staticmethod
+    def _row_predicate(tXgX: cute.Tensor, tXcX: cute.Tensor, rows: Int32) -> cute.Tensor:
+        """Per copy of a thread's partition: whether its row is below ``rows`` (the same for
+        every k-tile)."""
+        tXpX = cute.make_rmem_tensor(
+            cute.make_layout(
+                (tXgX.shape[0][1], cute.size(tXgX, mode=[1]), cute.size(tXgX, mode=[2])),
+                stride=(cute.size(tXgX, mode=[1]), 1, 0),
+            ),
+            Boolean,
+        )
+        for v in range(tXpX.shape[0]):  # a plain helper: unrolled at trace time
+            for m in range(tXpX.shape[1]):
+                tXpX[v, m, 0] = cute.elem_less(tXcX[(0, v), m, 0, 0][0], rows)
+        return tXpX
+
+    def epilogue_thread(self, tidx: Int32) -> tuple:
+        """The epilogue's thread mapping: (lane in the head, head in the tile, first row)."""
+        lane_in_head = tidx % self.lanes_per_head
+        head = (tidx // self.lanes_per_head) % self.heads_per_tile
+        return lane_in_head, head, tidx // (self.lanes_per_head * self.heads_per_tile)
+
+    @cute.jit
+    def row_inputs(self, mPos: cute.Tensor, mLoc: cute.Tensor, mCommit: cute.Tensor | None,
+                   width: Int32, tile_m: Int32, tidx: Int32, rSlot: cute.Tensor,
+                   rPos: cute.Tensor, rCommitted: cute.Tensor) -> None:
+        """Slot, position and commit length of each row this thread finishes, loaded before
+        the main loop so that the three DRAM round trips land while it runs. Nothing here
+        uses a loaded value (the validity test waits for the epilogue), so no load stalls the
+        weight stream's issue."""
+        _, _, row_first = self.epilogue_thread(tidx)
+        for it in cutlass.range_constexpr(self.rows_per_thread):
+            token = tile_m * self.bm + cutlass.min(row_first + it * self.row_step, self.bm - 1)
+            t = cutlass.select_(token < mLoc.shape[0], token, Int32(0))
+            rSlot[it] = mLoc[t]
+            rPos[it] = mPos[t]  # in range; a skipped row's own position is never used
+            if const_expr(self.has_commit):
+                req = t // width
+                rCommitted[it] = mCommit[req] - (t - req * width)  # > 0: the row commits
+
+    @cute.jit
+    def row_valid(self, it: int, tile_m: Int32, row_first: Int32, num_tokens: Int32,
+                  rSlot: cute.Tensor, rCommitted: cute.Tensor) -> Boolean:
+        """Whether thread row ``it`` is stored: in the tile and below T, a non-negative slot,
+        and with ``cache_loc_2d`` below its request's commit length."""
+        row = row_first + it * self.row_step
+        valid = (row < self.bm) & (tile_m * self.bm + row < num_tokens) & (rSlot[it] >= 0)
+        if const_expr(self.has_commit):
+            valid = valid & (rCommitted[it] > 0)
+        return valid
+
+    @cute.jit
+    def rope_inputs(self, mCosSin: cute.Tensor, tile_m: Int32, is_k: Boolean,
+                    num_tokens: Int32, tidx: Int32, rSlot: cute.Tensor, rPos: cute.Tensor,
+                    rCommitted: cute.Tensor, rCos: cute.Tensor, rSin: cute.Tensor) -> None:
+        """The cos/sin halves of each K row's table row (row 0 for a row that is not
+        stored), loaded as soon as the positions are in: before a split tile's hand-over,
+        whose round trips then hide them."""
+        half = self.head_dim // 2
+        lane_in_head, _, row_first = self.epilogue_thread(tidx)
+        if is_k:
+            for it in cutlass.range_constexpr(self.rows_per_thread):
+                valid = self.row_valid(it, tile_m, row_first, num_tokens, rSlot, rCommitted)
+                gCS = mCosSin[cutlass.select_(valid, rPos[it], Int64(0)), None]
+                cute.autovec_copy(cute.local_tile(gCS, (CHUNK,), (lane_in_head,)), rCos[it, None])
+                cute.autovec_copy(
+                    cute.local_tile(gCS, (CHUNK,), ((half + lane_in_head * CHUNK) // CHUNK,)),
+                    rSin[it, None],
+                )
+
     @cute.jit
     def epilogue(
         self,
@@ -264,22 +462,20 @@ class StackedKvProjMma(StackedKvProjBase):
         mBias: cute.Tensor | None,
         mNormW: cute.Tensor,
         eps: Float32,
-        mPos: cute.Tensor,
-        mCosSin: cute.Tensor,
-        mLoc: cute.Tensor,
-        mCommit: cute.Tensor | None,
-        width: Int32,
+        num_tokens: Int32,
         k_caches: tuple,
         v_caches: tuple,
         tile_m: Int32,
         tile_n: Int32,
         tidx: Int32,
+        rSlot: cute.Tensor,
+        rCommitted: cute.Tensor,
+        rCos: cute.Tensor,
+        rSin: cute.Tensor,
     ) -> None:
-        """Rows of the staged fp32 tile -> cache rows."""
+        """Rows of the staged fp32 tile -> cache rows (row metadata and cos/sin prefetched)."""
         half = self.head_dim // 2
-        lane_in_head = tidx % self.lanes_per_head
-        head = (tidx // self.lanes_per_head) % self.heads_per_tile
-        row_first = tidx // (self.lanes_per_head * self.heads_per_tile)
+        lane_in_head, head, row_first = self.epilogue_thread(tidx)
         col_lo = head * self.head_dim + lane_in_head * CHUNK  # tile column of the first half
         layer, is_k, base, row_bytes = self.tile_destination(tile_n, k_caches, v_caches, col_lo)
 
@@ -306,12 +502,12 @@ class StackedKvProjMma(StackedKvProjBase):
         inv_d = Float32(1.0 / self.head_dim)  # exact: D is a power of two
         rAcc = cute.make_rmem_tensor((CHUNK,), Float32)
         rY = cute.make_rmem_tensor((2 * CHUNK,), Float32)
-        rCos = cute.make_rmem_tensor((CHUNK,), Float32)
-        rSin = cute.make_rmem_tensor((CHUNK,), Float32)
         rOut = cute.make_rmem_tensor((CHUNK // 2,), Uint32)
-        for it in cutlass.range_constexpr(self.bm // self.row_step):
-            row = row_first + it * self.row_step
-            t, slot, valid = self.row_destination(mLoc, mCommit, width, tile_m * self.bm + row)
+        for it in cutlass.range_constexpr(self.rows_per_thread):
+            # more thread rows than tile rows (row_step > bm): the extra ones compute row 0
+            # again and store nothing
+            row = cutlass.min(row_first + it * self.row_step, self.bm - 1)
+            valid = self.row_valid(it, tile_m, row_first, num_tokens, rSlot, rCommitted)
             for h in cutlass.range_constexpr(2):
                 col = (col_lo + h * half) // CHUNK
                 cute.autovec_copy(cute.local_tile(sC[row, None], (CHUNK,), (col,)), rAcc)
@@ -332,17 +528,12 @@ class StackedKvProjMma(StackedKvProjBase):
                 rstd = du.rsqrt_approx(ss * inv_d + eps)
                 for i in cutlass.range_constexpr(2 * CHUNK):
                     rY[i] = r2(rY[i], rstd, rNorm[i])
-                position = cutlass.select_(valid, mPos[t], Int64(0))
-                gCS = mCosSin[position, None]
-                cute.autovec_copy(cute.local_tile(gCS, (CHUNK,), (lane_in_head,)), rCos)
-                cute.autovec_copy(
-                    cute.local_tile(gCS, (CHUNK,), ((half + d_lo) // CHUNK,)), rSin
-                )
                 for i in cutlass.range_constexpr(CHUNK):
-                    rY[i], rY[CHUNK + i] = neox_rotate(rY[i], rY[CHUNK + i], rCos[i], rSin[i])
+                    rY[i], rY[CHUNK + i] = neox_rotate(rY[i], rY[CHUNK + i], rCos[it, i],
+                                                       rSin[it, i])
 
             if valid:
-                row_addr = base + Int64(slot) * row_bytes
+                row_addr = base + Int64(rSlot[it]) * row_bytes
                 for h in cutlass.range_constexpr(2):
                     for w in cutlass.range_constexpr(CHUNK // 2):
                         rOut[w] = du.pack_bf16x2(  # R3 (K) / exact (V)

@@ -24,6 +24,8 @@ SCHEDULE_ENV = "CUTE_KERNELS_STACKED_SCHEDULE"
 SCHEDULES = ("auto", "dp", "streamk")
 #: A cap on the wgmma core's grid (default: the resident CTA count), to force odd splits.
 CTAS_ENV = "CUTE_KERNELS_STACKED_CTAS"
+#: K splits per tile of the mma core (default: see :func:`choose_splits`), to compare splits.
+SPLITS_ENV = "CUTE_KERNELS_STACKED_SPLITS"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +37,9 @@ class TileConfig:
     wide: bool  # 256-column tiles where kv allows (two D = 128 heads: m64n256 wgmma)
     mma_stages: int  # cp.async ring depth cap of the mma core (the wgmma ring fills its budget)
     cost: float  # time of one tile relative to m128, measured (see choose_tile)
+    # Decode tile (mma core): the weight rows are the MMA's M and the bm tokens its N, so a
+    # stage of the ring is nearly all weight (see swap_ring).
+    swap: bool = False
 
 
 # Small T is weight-bandwidth bound: m64 keeps the most bytes in flight per weight tile (80
@@ -46,7 +51,23 @@ class TileConfig:
 TILE_SMALL = TileConfig("m64", bm=64, wide=False, mma_stages=8, cost=0.85)
 TILE_MEDIUM = TileConfig("m128", bm=128, wide=False, mma_stages=4, cost=1.0)
 TILE_WIDE = TileConfig("m128w", bm=128, wide=True, mma_stages=0, cost=1.75)
-TILES = {t.name: t for t in (TILE_SMALL, TILE_MEDIUM, TILE_WIDE)}
+# Decode sizes (T <= 16) are a stream of the weight: a swapped tile of 16 tokens, split along
+# K (choose_splits). A 64-token swapped tile measured slower than the wgmma core at T = 32 and
+# 64 in every layout but one (specs/stacked_kv_proj.md) and was dropped.
+TILE_SWAP = TileConfig("swap16", bm=16, wide=False, mma_stages=8, cost=0.0, swap=True)
+TILES = {t.name: t for t in (TILE_SMALL, TILE_MEDIUM, TILE_WIDE, TILE_SWAP)}
+SWAP_TILES = tuple(name for name, t in TILES.items() if t.swap)
+#: The largest T planned with the swapped tile (larger T: the data-parallel tiles).
+SWAP_MAX_TOKENS = TILE_SWAP.bm
+#: Weight bytes in flight (all split CTAs' rings together) that keep the H200's DRAM busy:
+#: the best measured split put 6.5-10 MB of ring in flight in every layout (TP 8: 10 tiles x 8
+#: splits of a 108 KiB ring; TP 1: 80 tiles unsplit; D = 256: 4 x 8 of 204 KiB); more CTAs
+#: only add partials to gather.
+SPLIT_IN_FLIGHT_BYTES = 8 << 20
+#: SMEM of a swapped tile's ring: two CTAs per SM when the ring still holds this many stages,
+#: else one CTA per SM with twice the budget (D = 256: 256 weight rows per stage).
+SWAP_MIN_STAGES = 4
+SWAP_SMEM_PER_SM = 220 * 1024  # of the 227 KiB an SM offers, less the per-CTA reserve
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,14 +101,29 @@ class StackedPlan:
 
     variant: StackedVariant
     stream_k: bool  # the tiles past dp_tiles are split over the grid along K
-    grid: int  # CTAs launched (mma core: one per tile)
+    grid: int  # CTAs launched (mma core: tiles x splits)
     dp_tiles: int  # tiles run data-parallel, a multiple of the grid (all of them without SK)
+    splits: int = 1  # mma core: CTAs per tile, each a contiguous range of its k-tiles
 
 
 def tiles_for(impl: str) -> tuple[str, ...]:
     """Tile configs a core compiles: the mma core has no wide tile (its SMEM-staged epilogue
-    would need 135 KiB of fp32 C for 128 x 256)."""
-    return tuple(name for name, t in TILES.items() if impl == "wgmma" or not t.wide)
+    would need 135 KiB of fp32 C for 128 x 256), the swapped tiles are the mma core's."""
+    if impl == "wgmma":
+        return tuple(name for name, t in TILES.items() if not t.swap)
+    return tuple(name for name, t in TILES.items() if not t.wide)
+
+
+def swap_ring(tile: TileConfig, bn: int) -> tuple[int, int]:
+    """(ring stages, CTAs per SM) of swapped tile ``tile`` with ``bn`` weight rows: two CTAs
+    per SM (each its own k-range of the weight in flight) unless that leaves fewer than
+    ``SWAP_MIN_STAGES`` stages, then one with the whole budget."""
+    stage = (tile.bm + bn) * STACKED_K_TILE * 2
+    for ctas in (2, 1):
+        stages = min(tile.mma_stages, SWAP_SMEM_PER_SM // ctas // stage)
+        if stages >= SWAP_MIN_STAGES or ctas == 1:
+            return max(2, stages), ctas
+    raise AssertionError("unreachable")
 
 
 def tile_n(head_dim: int, kv: int, wide: bool = False) -> int:
@@ -104,10 +140,17 @@ def impls_for(arch: str) -> tuple[str, ...]:
     return ("wgmma", "mma") if arch == "sm_90a" else ("mma",)
 
 
-def choose_impl(arch: str) -> str:
-    """The core a call uses on ``arch`` (``CUTE_KERNELS_STACKED_IMPL`` overrides)."""
+def choose_impl(arch: str, tokens: int | None = None) -> str:
+    """The core a call of ``tokens`` rows uses on ``arch`` (``CUTE_KERNELS_STACKED_IMPL``
+    overrides): the mma core with a swapped tile at decode sizes (or when one is forced),
+    else wgmma on sm_90a. ``tokens=None``: the core of large T."""
     wanted = os.environ.get(IMPL_ENV, "auto")
     if wanted == "auto":
+        tile = os.environ.get(TILE_ENV, "auto")
+        decode = (tile == "auto" and os.environ.get(SCHEDULE_ENV, "auto") == "auto"
+                  and tokens is not None and tokens <= SWAP_MAX_TOKENS)
+        if tile in SWAP_TILES or decode:
+            return "mma"
         return impls_for(arch)[0]
     if wanted not in impls_for(arch):
         fail(IMPL_ENV, f"one of auto, {', '.join(impls_for(arch))} on {arch}", repr(wanted))
@@ -143,11 +186,22 @@ def ctas_cap() -> int | None:
     return int(wanted)
 
 
+def forced_splits() -> int | None:
+    """``CUTE_KERNELS_STACKED_SPLITS``, checked (None: the planned split)."""
+    wanted = os.environ.get(SPLITS_ENV)
+    if wanted is None:
+        return None
+    if not wanted.isdigit() or int(wanted) < 1:
+        fail(SPLITS_ENV, "a positive integer", repr(wanted))
+    return int(wanted)
+
+
 def check_overrides(arch: str) -> None:
     """Raise :class:`LayoutError` for an override the calls on ``arch`` would reject."""
     forced_tile(choose_impl(arch))
     forced_schedule()
     ctas_cap()
+    forced_splits()
 
 
 #: Most CTAs that share one stream-K tile: bounds the partials a reduction gathers into SMEM.
@@ -201,9 +255,35 @@ def choose_tile(tokens: int, impl: str, num_layers: int, n_kv: int, head_dim: in
     forced = forced_tile(impl)
     if forced is not None:
         return forced
+    if impl == "mma" and tokens <= SWAP_MAX_TOKENS:
+        return TILE_SWAP.name
     layout = StackedLayout(num_layers, n_kv, head_dim, False, False, "float32", "")
-    return min(tiles_for(impl), key=lambda name: estimate(
-        tile_count(tokens, layout, TILES[name]), sms, TILES[name]))
+    return min((name for name in tiles_for(impl) if not TILES[name].swap), key=lambda name:
+               estimate(tile_count(tokens, layout, TILES[name]), sms, TILES[name]))
+
+
+def swap_ring_bytes(tile: TileConfig, bn: int) -> int:
+    """SMEM of swapped tile ``tile``'s ring with ``bn`` weight rows."""
+    return swap_ring(tile, bn)[0] * (tile.bm + bn) * STACKED_K_TILE * 2
+
+
+def gathered_partials(tile: TileConfig, bn: int, rows: int) -> int:
+    """How many fp32 partials of ``rows`` rows the last CTA of a split swapped tile gathers in
+    one round trip: its ring beyond the staged C tile (``bm x (bn + 8)`` fp32)."""
+    return max(1, (swap_ring_bytes(tile, bn) - tile.bm * (bn + 8) * 4) // (rows * bn * 4))
+
+
+def choose_splits(tiles: int, k_tiles: int, resident: int, ring_bytes: int,
+                  gathered: int) -> int:
+    """K splits per tile of a swapped plan (``CUTE_KERNELS_STACKED_SPLITS`` overrides): enough
+    CTAs that their rings (``ring_bytes`` each) hold ``SPLIT_IN_FLIGHT_BYTES`` of weight in
+    flight, all resident at once (``resident``), no more partials than the last CTA gathers
+    in one round trip (``gathered``), and never more splits than k-tiles."""
+    forced = forced_splits()
+    if forced is None:
+        wanted = round(SPLIT_IN_FLIGHT_BYTES / (tiles * ring_bytes))
+        forced = min(wanted, resident // tiles, gathered)
+    return max(1, min(k_tiles, forced))
 
 
 def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int) -> StackedPlan:
@@ -212,13 +292,21 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int) -> S
     estimated time, or stream-K where it measured faster (``STREAM_K_*``). Overrides:
     ``CUTE_KERNELS_STACKED_{IMPL,TILE,SCHEDULE,CTAS}``. The mma core has no stream-K
     schedule: one CTA per tile."""
-    impl = choose_impl(layout.arch)
+    impl = choose_impl(layout.arch, tokens)
     cap = ctas_cap()
     ctas = ctas if cap is None else min(ctas, cap)
     tile = choose_tile(tokens, impl, layout.num_layers, layout.n_kv, layout.head_dim, ctas)
-    tiles = tile_count(tokens, layout, TILES[tile])
+    config = TILES[tile]
+    tiles = tile_count(tokens, layout, config)
     if impl == "mma":
-        return StackedPlan(StackedVariant(impl, tile), False, tiles, tiles)
+        splits = forced_splits() or 1
+        if config.swap:
+            bn = tile_n(layout.head_dim, layout.kv)
+            splits = choose_splits(tiles, hidden // STACKED_K_TILE,
+                                   ctas * swap_ring(config, bn)[1], swap_ring_bytes(config, bn),
+                                   gathered_partials(config, bn, min(tokens, config.bm)))
+        splits = min(splits, hidden // STACKED_K_TILE)
+        return StackedPlan(StackedVariant(impl, tile), False, tiles * splits, tiles, splits)
     wanted = forced_schedule()
     tile_bytes = layout.num_layers * 2 * layout.kv * hidden * 2 // tiles
     stream_k = wanted == "streamk" or (
