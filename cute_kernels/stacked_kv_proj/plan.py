@@ -176,24 +176,24 @@ def forced_schedule() -> str:
     return wanted
 
 
-def ctas_cap() -> int | None:
-    """``CUTE_KERNELS_STACKED_CTAS``, checked (None: no cap)."""
-    wanted = os.environ.get(CTAS_ENV)
+def _positive_int_env(name: str) -> int | None:
+    """Environment variable ``name`` as a positive integer, checked (None when unset)."""
+    wanted = os.environ.get(name)
     if wanted is None:
         return None
     if not wanted.isdigit() or int(wanted) < 1:
-        fail(CTAS_ENV, "a positive integer", repr(wanted))
+        fail(name, "a positive integer", repr(wanted))
     return int(wanted)
+
+
+def ctas_cap() -> int | None:
+    """``CUTE_KERNELS_STACKED_CTAS``, checked (None: no cap)."""
+    return _positive_int_env(CTAS_ENV)
 
 
 def forced_splits() -> int | None:
     """``CUTE_KERNELS_STACKED_SPLITS``, checked (None: the planned split)."""
-    wanted = os.environ.get(SPLITS_ENV)
-    if wanted is None:
-        return None
-    if not wanted.isdigit() or int(wanted) < 1:
-        fail(SPLITS_ENV, "a positive integer", repr(wanted))
-    return int(wanted)
+    return _positive_int_env(SPLITS_ENV)
 
 
 def check_overrides(arch: str) -> None:
