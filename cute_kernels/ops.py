@@ -28,17 +28,30 @@ The signature is read afresh on every call, tensor by tensor (about 0.3 us a ten
 development CPU): a tensor whose metadata changed in place (``set_``, ``resize_``,
 ``as_strided_``, ``.data =``, ``torch.utils.swap_tensors``) is a new layout. Nothing is cached
 by object identity, and the prepared launches hold no tensor.
+
+Before the signature, a call is matched against the few layouts the op saw last
+(:class:`RecentLayout`): the same check, done mostly in C++ by Dynamo's tensor guards (dtype,
+device, sizes, strides, plus requires_grad and dispatch keys, which only make it stricter),
+the other arguments compared by type and value, and the addresses' alignment. A serving step
+calls each op with one layout per layer, so this is the path of nearly every call; anything
+it does not match goes the signature way, which decides as before.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+try:  # Dynamo's C++ tensor-metadata guard (absent from a torch built without Dynamo)
+    from torch._C._dynamo.guards import TensorGuards
+except ImportError:  # pragma: no cover
+    TensorGuards = None
 
 from .arch import ARCH_ENV
 from .validation import fail
@@ -48,6 +61,8 @@ NAMESPACE = "cute_kernels"
 MAX_REMEMBERED_LAYOUTS = 4096
 #: The device type the op launches on (``perf/host_cpu.py`` times the host path on CPU tensors).
 LAUNCH_DEVICE_TYPE = "cuda"
+#: Layouts matched before the signature, most recent first (a model's layers share a few).
+RECENT_LAYOUTS = 4
 
 
 _Tensor = torch.Tensor
@@ -104,6 +119,96 @@ def _signature(env: object, args: tuple) -> tuple:
             add(type(a))
             add(a)
     return tuple(sig)
+
+
+class RecentLayout:
+    """A layout accepted before, as a cheaper test than its signature: which arguments are
+    tensors or sequences of tensors, every other argument's type and value, a
+    ``TensorGuards`` over the tensors (in argument order, sequences flattened) and their
+    addresses modulo 16. :meth:`matches` is true exactly when the signature would be equal,
+    except that it also asks for the same requires_grad and dispatch keys (a stricter test:
+    a miss only costs the signature) and accepts any addresses that are all 16-byte aligned
+    (every alignment a validation checks is at most 16 bytes, so such a call passes them
+    all, as the layout did)."""
+
+    __slots__ = ("env", "tensors", "sequences", "values", "guard", "aligns", "target")
+
+    def __init__(self, env: object, tensors: tuple, sequences: tuple, values: tuple,
+                 guard: Any, aligns: tuple, target: object) -> None:
+        self.env = env
+        self.tensors = tensors  # positions of tensor arguments
+        self.sequences = sequences  # (position, type, length) of sequences of tensors
+        self.values = values  # (position, value) of every other argument
+        self.guard = guard
+        self.aligns = aligns
+        self.target = target  # what the op keeps for the layout (its launch, or True)
+
+    @classmethod
+    def of(cls, env: object, args: tuple, target: object) -> RecentLayout | None:
+        """The entry for ``args``, or None when they hold something it cannot match (a
+        sequence of other than tensors, no C++ guards in this torch)."""
+        if TensorGuards is None:
+            return None
+        tensors, sequences, values = [], [], []
+        for i, a in enumerate(args):
+            if isinstance(a, _Tensor):
+                tensors.append(i)
+            elif isinstance(a, _SEQUENCES):
+                if not all(isinstance(c, _Tensor) for c in a):
+                    return None
+                sequences.append((i, type(a), len(a)))
+            else:
+                values.append((i, a))
+        entry = cls(env, tuple(tensors), tuple(sequences), tuple(values), None, (), target)
+        flat = entry.gather(args)
+        try:
+            entry.guard = TensorGuards(
+                *flat, dynamic_dims_sizes=[list(t.shape) for t in flat],
+                dynamic_dims_strides=[list(t.stride()) for t in flat])
+        except (TypeError, RuntimeError):
+            return None
+        entry.aligns = tuple(t.data_ptr() & 15 for t in flat)
+        return entry
+
+    def gather(self, args: tuple) -> list | None:
+        """The tensors of ``args`` in guard order (None if a sequence differs)."""
+        flat = [args[i] for i in self.tensors]
+        for i, kind, length in self.sequences:
+            seq = args[i]
+            if type(seq) is not kind or len(seq) != length:
+                return None
+            flat.extend(seq)
+        return flat
+
+    def matches(self, env: object, args: tuple) -> bool:
+        if env != self.env:
+            return False
+        try:
+            for i, value in self.values:
+                a = args[i]
+                if a is not value and (type(a) is not type(value) or a != value):
+                    return False
+            flat = self.gather(args)
+            if flat is None or not self.guard.check(*flat):
+                return False  # a non-tensor in a tensor's place fails the guard too
+        except (TypeError, ValueError):
+            return False
+        addresses = functools.reduce(operator.or_, map(_Tensor.data_ptr, flat), 0)
+        return addresses & 15 == 0 or tuple(t.data_ptr() & 15 for t in flat) == self.aligns
+
+
+def _find_recent(recent: list, env: object, args: tuple) -> object:
+    for entry in recent:
+        if entry.matches(env, args):
+            return entry.target
+    return None
+
+
+def _remember_recent(recent: list, env: object, args: tuple, target: object) -> None:
+    entry = RecentLayout.of(env, args, target)
+    if entry is not None:
+        recent.insert(0, entry)
+        del recent[RECENT_LAYOUTS:]
 
 
 def _env_reader(names: tuple[str, ...]) -> Callable[[], tuple]:
@@ -175,6 +280,8 @@ def cute_op(
 
         accepted: dict[tuple, Callable[[tuple], None]] = {}  # signature -> launch, CUDA calls
         checked: dict[tuple, bool] = {}  # signatures check() accepted
+        recent_accepted: list[RecentLayout] = []  # the last few of each, matched first
+        recent_checked: list[RecentLayout] = []
 
         def remember(table: dict, sig: tuple, value: object) -> None:
             if len(table) >= MAX_REMEMBERED_LAYOUTS:
@@ -195,13 +302,17 @@ def cute_op(
             return launch
 
         def run(args: tuple) -> None:
-            sig = _signature(read_env(), args)
-            try:
-                launch = accepted.get(sig)
-            except TypeError:
-                launch = None
+            env = read_env()
+            launch = _find_recent(recent_accepted, env, args)
             if launch is None:
-                launch = first_call(sig, args)
+                sig = _signature(env, args)
+                try:
+                    launch = accepted.get(sig)
+                except TypeError:
+                    launch = None
+                if launch is None:
+                    launch = first_call(sig, args)
+                _remember_recent(recent_accepted, env, args, launch)
             launch(args)
 
         def impl(*args: Any, **kwargs: Any) -> None:
@@ -230,14 +341,18 @@ def cute_op(
 
         def check(*args: Any, **kwargs: Any) -> None:
             args = positional(args, kwargs)
-            sig = _signature(read_env(), args)
+            env = read_env()
+            if _find_recent(recent_checked, env, args) is not None:
+                return
+            sig = _signature(env, args)
             try:
-                if sig in checked:
-                    return
+                known = sig in checked
             except TypeError:
-                pass
-            validate(*args)
-            remember(checked, sig, True)
+                known = False
+            if not known:
+                validate(*args)
+                remember(checked, sig, True)
+            _remember_recent(recent_checked, env, args, True)
 
         check.__signature__ = signature  # type: ignore[attr-defined]
         check.__name__ = f"check_{name}"
@@ -251,7 +366,8 @@ def cute_op(
         public.check = check  # type: ignore[attr-defined]
         public.validate = validate  # type: ignore[attr-defined]
         public.op = op  # type: ignore[attr-defined]
-        public.forget_layouts = lambda: (accepted.clear(), checked.clear())  # type: ignore
+        public.forget_layouts = lambda: (  # type: ignore[attr-defined]
+            accepted.clear(), checked.clear(), recent_accepted.clear(), recent_checked.clear())
         return public
 
     return register

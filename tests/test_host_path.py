@@ -56,6 +56,64 @@ def test_accepted_layout_is_remembered_and_a_changed_one_is_validated_again(name
 
 
 @pytest.mark.parametrize("name", list(CASES))
+def test_a_recent_layout_is_matched_without_the_signature(name, monkeypatch):
+    """The call after an accepted one is matched by the recent-layout test alone (the
+    signature is not built); a different layout is not."""
+    op = getattr(cute_kernels, name)
+    op.forget_layouts()
+    args = CASES[name]()
+    op.check(*args)
+    built = []
+    signature = ops._signature
+    monkeypatch.setattr(ops, "_signature", lambda *a: built.append(1) or signature(*a))
+    op.check(*args)
+    assert built == []
+    other = (_offset(args[0]), *args[1:])  # misaligned: not matched, validated, rejected
+    assert _message(op.check, *other) is not None and built == [1]
+
+
+def test_a_recent_layout_asks_for_the_same_types_and_values():
+    """int against bool or float, list against tuple, another length, requires_grad, an
+    inference tensor: each misses the recent-layout test and is decided by the signature path, as a
+    fresh validation decides it."""
+    op = cute_kernels.kv_rope_insert
+    op.forget_layouts()
+    args = list(kv_rope_insert_case("bf16", 8, 16, "cpu").args())
+    op.check(*args)
+    as_int = [*args[:7], int(args[7])]  # kv_mxfp8 False -> 0
+    assert _message(op.check, *as_int) == _message(op.validate, *as_int)
+    as_float = [*args[:5], float(args[5]), *args[6:]]  # block_size 16 -> 16.0 (== 16)
+    assert "block_size" in _message(op.check, *as_float)
+    assert _message(op.check, *as_float) == _message(op.validate, *as_float)
+    grad = [args[0].clone().requires_grad_(), *args[1:]]
+    assert op.check(*grad) is None
+    with torch.inference_mode():
+        frozen = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    assert op.check(*frozen) is None
+    stacked = cute_kernels.stacked_kv_proj
+    stacked.forget_layouts()
+    args = list(stacked_kv_proj_case(8, hidden=128).args())
+    stacked.check(*args)
+    as_tuples = [*args[:8], tuple(args[8]), tuple(args[9]), *args[10:]]
+    assert stacked.check(*as_tuples) is None
+    shorter = [*args[:8], args[8][:-1], args[9], *args[10:]]
+    assert "v_caches" in _message(stacked.check, *shorter)
+
+
+def test_more_layouts_than_the_recent_ones_stay_correct():
+    """Cycling through more layouts than RECENT_LAYOUTS: every call still decided right."""
+    op = cute_kernels.kv_rope_insert
+    op.forget_layouts()
+    cases = [kv_rope_insert_case("bf16", tokens, 16, "cpu").args()
+             for tokens in range(1, ops.RECENT_LAYOUTS + 3)]
+    for _ in range(3):
+        for args in cases:
+            assert op.check(*args) is None
+            bad = (_offset(args[0]), *args[1:])
+            assert "aligned" in _message(op.check, *bad)
+
+
+@pytest.mark.parametrize("name", list(CASES))
 def test_every_rejection_survives_an_accepted_twin(name):
     """Accept the layout, then change one argument at a time in ways the validation
     rejects: each change is a new signature, rejected exactly as on a fresh process."""
