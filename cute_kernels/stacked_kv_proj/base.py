@@ -91,14 +91,20 @@ class StackedKvProjBase:
         return base, stride
 
     @cute.jit
+    def tile_layer(self, tile_n: Int32) -> tuple:
+        """(layer, first stacked column within the layer) of weight tile ``tile_n``: the tile
+        is K when that column is below ``kv``."""
+        n0 = tile_n * self.bn
+        layer = n0 // (2 * self.kv)
+        return layer, n0 - layer * (2 * self.kv)
+
+    @cute.jit
     def tile_destination(self, tile_n: Int32, k_caches: tuple, v_caches: tuple,
                          tile_col: Int32) -> tuple:
         """Where column ``tile_col`` of weight tile ``tile_n`` goes: (layer, is K, byte address
         of that column in cache row 0, cache row stride in bytes). A tile lies in one layer's
         K or V block (``bn | kv``), so all of it is CTA-uniform but ``tile_col``."""
-        n0 = tile_n * self.bn
-        layer = n0 // (2 * self.kv)
-        in_layer = n0 - layer * (2 * self.kv)
+        layer, in_layer = self.tile_layer(tile_n)
         is_v = in_layer >= self.kv
         col0 = in_layer - cutlass.select_(is_v, Int32(self.kv), Int32(0))  # column in K or V
         k_base, k_stride = self.cache_row_base(k_caches, layer)

@@ -14,7 +14,7 @@ from cutlass import BFloat16, Boolean, Float32, Int32, Int64, Uint32, const_expr
 
 from .. import dsl_utils as du
 from .base import StackedKvProjBase, neox_rotate, r1, r2
-from .plan import TileConfig, swap_ring
+from .plan import C_ROW_PAD, TileConfig, gather_bytes, ring_bytes, swap_ring
 
 CHUNK = 8  # columns per thread per half head in the epilogue (one 16-byte bf16 vector)
 SMEM_BUDGET = 200 * 1024  # bytes of A/B ring per CTA (227 KiB is the sm_90/sm_100 maximum)
@@ -61,10 +61,12 @@ class StackedKvProjMma(StackedKvProjBase):
         assert self.row_step >= 1 and (self.bm % self.row_step == 0
                                        or self.row_step % self.bm == 0)
         self.rows_per_thread = max(1, self.bm // self.row_step)
-        self.c_stride = self.bn + 8  # fp32 staging row, padded: 2 wavefronts per 64-bit store
-        self.ring_bytes = self.stages * (self.bm + self.bn) * self.bk * 2
-        self.c_bytes = self.bm * self.c_stride * 4
-        assert self.c_bytes <= self.ring_bytes, "C reuses the A/B ring"
+        self.c_stride = self.bn + C_ROW_PAD  # fp32 staging row (padded)
+        # the ring beyond the staged C tile, where a split tile's last CTA gathers partials
+        self.c_bytes = ring_bytes(self.stages, self.bm, self.bn) - gather_bytes(
+            self.stages, self.bm, self.bn)
+        self.gather_bytes = gather_bytes(self.stages, self.bm, self.bn)
+        assert self.gather_bytes >= 0 and self.c_bytes % 16 == 0, "C reuses the A/B ring"
 
     # -- host side -------------------------------------------------------------------------
 
@@ -192,9 +194,9 @@ class StackedKvProjMma(StackedKvProjBase):
                 (self.bn, self.bm), stride=(1, self.c_stride)))
         thr_mma = tiled_mma.get_slice(tidx)
         cute.autovec_copy(tCrC, thr_mma.partition_C(sC_mma))
-        _, is_k, _, _ = self.tile_destination(tile_n, k_caches, v_caches, Int32(0))
-        self.rope_inputs(mCosSin, tile_m, is_k, num_tokens, tidx, rSlot, rPos, rCommitted,
-                         rCos, rSin)
+        _, first_column = self.tile_layer(tile_n)
+        self.rope_inputs(mCosSin, tile_m, first_column < self.kv, num_tokens, tidx, rSlot,
+                         rPos, rCommitted, rCos, rSin)
         cute.arch.sync_threads()
         finishes = Boolean(True)
         if splits > 1:
@@ -243,8 +245,8 @@ class StackedKvProjMma(StackedKvProjBase):
         if last:
             if tidx == 0:  # every split has arrived: zero for the next launch
                 du.store_relaxed(counter, Int32(0))
-            g_base = c_base + (self.c_bytes + 15) // 16 * 16  # the ring beyond sC
-            batch = cutlass.max((self.ring_bytes - (g_base - c_base)) // (chunks * 16), 1)
+            g_base = c_base + self.c_bytes  # the ring beyond sC
+            batch = cutlass.max(self.gather_bytes // (chunks * 16), 1)
             for first in cutlass.range(0, splits, batch, unroll=1):
                 count = cutlass.min(batch, splits - first)
                 for c in cutlass.range(count, unroll=1):

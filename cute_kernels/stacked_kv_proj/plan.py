@@ -262,15 +262,31 @@ def choose_tile(tokens: int, impl: str, num_layers: int, n_kv: int, head_dim: in
                estimate(tile_count(tokens, layout, TILES[name]), sms, TILES[name]))
 
 
+#: fp32 padding per row of the mma core's staged C tile (its 64-bit fragment stores then take
+#: the minimum two wavefronts)
+C_ROW_PAD = 8
+
+
+def ring_bytes(stages: int, bm: int, bn: int) -> int:
+    """SMEM of an mma-core ring of ``stages`` stages of ``bm`` token and ``bn`` weight rows."""
+    return stages * (bm + bn) * STACKED_K_TILE * 2
+
+
+def gather_bytes(stages: int, bm: int, bn: int) -> int:
+    """The part of that ring a split tile's last CTA gathers partials into: all of it beyond
+    the staged fp32 C tile (``bm x (bn + C_ROW_PAD)``, a multiple of 16 bytes)."""
+    return ring_bytes(stages, bm, bn) - bm * (bn + C_ROW_PAD) * 4
+
+
 def swap_ring_bytes(tile: TileConfig, bn: int) -> int:
     """SMEM of swapped tile ``tile``'s ring with ``bn`` weight rows."""
-    return swap_ring(tile, bn)[0] * (tile.bm + bn) * STACKED_K_TILE * 2
+    return ring_bytes(swap_ring(tile, bn)[0], tile.bm, bn)
 
 
 def gathered_partials(tile: TileConfig, bn: int, rows: int) -> int:
     """How many fp32 partials of ``rows`` rows the last CTA of a split swapped tile gathers in
-    one round trip: its ring beyond the staged C tile (``bm x (bn + 8)`` fp32)."""
-    return max(1, (swap_ring_bytes(tile, bn) - tile.bm * (bn + 8) * 4) // (rows * bn * 4))
+    one round trip (the kernel's batch, :func:`gather_bytes`)."""
+    return max(1, gather_bytes(swap_ring(tile, bn)[0], tile.bm, bn) // (rows * bn * 4))
 
 
 def choose_splits(tiles: int, k_tiles: int, resident: int, ring_bytes: int,
