@@ -486,17 +486,71 @@ def test_layout_on_meta_with_arch_override(arch, monkeypatch):
     monkeypatch.setenv("CUTE_KERNELS_ARCH", arch)
     layout = stacked_kv_proj.validate(*_args("meta").values())
     assert layout == StackedLayout(2, 2, 128, False, False, "float32", arch)
-    plan = choose_plan(layout, 17, 4096, 132)
-    impl = "wgmma" if arch == "sm_90a" else "mma"  # 8 tiles of 1 MB: data-parallel
-    assert plan == StackedPlan(StackedVariant(impl, "m64"), False, 8, 8)
     # T <= 16 on either arch: the swapped tile on the mma core, 8 tiles split 9 ways (9 x 8
     # rings of 108 KiB hold the 8 MiB in flight)
     assert choose_plan(layout, 16, 4096, 132) == StackedPlan(
         StackedVariant("mma", "swap16"), False, 72, 8, 9)
-    if arch == "sm_90a":  # D = 256, 4 tiles of 2.5 MB: stream-K, at most 16 CTAs per tile
-        wide = dataclasses.replace(layout, n_kv=1, head_dim=256)
-        assert choose_plan(wide, 17, 5120, 132) == StackedPlan(StackedVariant("wgmma", "m64"),
-                                                               True, 60, 0)
+    # T = 17: two token tiles on the same 8 weight tiles (the second reads the weight from
+    # L2); 9 splits would be 144 CTAs, 12 SMs with two: 8 splits keep one CTA per SM
+    assert choose_plan(layout, 17, 4096, 132) == StackedPlan(
+        StackedVariant("mma", "swap16"), False, 128, 16, 8)
+    # T = 256: 128 swapped tiles fit only 2 splits (est. 18.8 us); on sm_90a the wgmma core's
+    # 32 m64 tiles are cheaper (est. 18.2 us), the mma core has no other tile that fits
+    expected = (StackedPlan(StackedVariant("wgmma", "m64"), False, 32, 32) if arch == "sm_90a"
+                else StackedPlan(StackedVariant("mma", "swap16"), False, 256, 128, 2))
+    assert choose_plan(layout, 256, 4096, 132) == expected
+    # T = 257: past the swapped tile's range
+    impl = "wgmma" if arch == "sm_90a" else "mma"
+    assert choose_plan(layout, 257, 4096, 132) == StackedPlan(StackedVariant(impl, "m64"), False,
+                                                              40, 40)
+
+
+def test_stream_k_where_the_swapped_tile_does_not_fit(monkeypatch):
+    """H 8192, L 6, n_kv 8: 96 weight tiles of 2 MiB; at T = 64 the 384 swapped tiles do not
+    fit at once, and the wgmma core's 96 data-parallel tiles are long: stream-K."""
+    for name in ("CUTE_KERNELS_STACKED_IMPL", "CUTE_KERNELS_STACKED_TILE",
+                 "CUTE_KERNELS_STACKED_SCHEDULE", "CUTE_KERNELS_STACKED_SPLITS"):
+        monkeypatch.delenv(name, raising=False)
+    layout = StackedLayout(6, 8, 128, False, False, "float32", "sm_90a")
+    assert choose_plan(layout, 64, 8192, 132) == StackedPlan(StackedVariant("wgmma", "m64"),
+                                                             True, 132, 0)
+
+
+# (layout name, L, n_kv, D, H, T, the planned tile, splits): the choices the cost model makes
+# on the sweep of specs/stacked_kv_proj.md, each the faster of the two measured plans there
+COST_MODEL_CHOICES = [
+    ("tp1", 5, 8, 128, 4096, 32, "swap16", 1),  # 34.3 against the wgmma core's 36.4 us
+    ("tp1", 5, 8, 128, 4096, 64, "m64", 1),  # 320 swapped tiles do not fit at once
+    ("tp2", 5, 4, 128, 4096, 64, "m64", 1),  # 23.7 against 28.9
+    ("tp8", 5, 1, 128, 4096, 64, "swap16", 6),  # 15.1 (4 splits) against 17.8
+    ("tp8", 5, 1, 128, 4096, 256, "m64", 1),  # 18.4 against 28.0
+    ("1layer", 1, 8, 128, 4096, 128, "swap16", 2),  # 19.9 against 23.8
+    ("d256", 2, 1, 256, 5120, 256, "swap16", 2),  # 23.7 against 37.3
+    ("d64", 6, 4, 64, 2048, 64, "m64", 1),  # 13.6 against 14.8
+]
+
+
+@pytest.mark.parametrize(("name", "layers", "n_kv", "head_dim", "hidden", "tokens", "tile",
+                          "splits"), COST_MODEL_CHOICES)
+def test_cost_model_choice(name, layers, n_kv, head_dim, hidden, tokens, tile, splits,
+                           monkeypatch):
+    for env in ("CUTE_KERNELS_STACKED_IMPL", "CUTE_KERNELS_STACKED_TILE",
+                "CUTE_KERNELS_STACKED_SCHEDULE", "CUTE_KERNELS_STACKED_SPLITS"):
+        monkeypatch.delenv(env, raising=False)
+    layout = StackedLayout(layers, n_kv, head_dim, False, False, "float32", "sm_90a")
+    plan = choose_plan(layout, tokens, hidden, 132)
+    assert (plan.variant.tile, plan.splits) == (tile, splits)
+
+
+def test_an_override_leaves_the_swapped_tile_out(monkeypatch):
+    """A forced core or schedule plans as asked (TP 8, T = 64: the swapped tile otherwise)."""
+    layout = StackedLayout(5, 1, 128, False, False, "float32", "sm_90a")
+    monkeypatch.setenv("CUTE_KERNELS_STACKED_SCHEDULE", "dp")
+    assert choose_plan(layout, 64, 4096, 132) == StackedPlan(StackedVariant("wgmma", "m64"),
+                                                             False, 10, 10)
+    monkeypatch.delenv("CUTE_KERNELS_STACKED_SCHEDULE")
+    monkeypatch.setenv("CUTE_KERNELS_STACKED_TILE", "swap16")  # forced: even past one wave
+    assert choose_plan(layout, 1024, 4096, 132).grid == 640
 
 
 @pytest.mark.parametrize(("tiles", "k_tiles", "ctas", "stream_k", "expected"), [
@@ -534,8 +588,8 @@ def test_plan_overrides(env, expected, monkeypatch):
 
 
 def test_mma_core_has_no_stream_k(monkeypatch):
-    """On sm_100a the mma core runs: data-parallel tiles above T = 16 (a forced stream-K
-    schedule is the wgmma core's), the split swapped tile at decode sizes."""
+    """On sm_100a the mma core runs: data-parallel tiles (a forced stream-K schedule is the
+    wgmma core's), the split swapped tile at decode sizes."""
     monkeypatch.setenv("CUTE_KERNELS_STACKED_SCHEDULE", "streamk")
     layout = dataclasses.replace(DRAFTER_TP8, arch="sm_100a")
     assert choose_plan(layout, 17, 4096, 148) == StackedPlan(StackedVariant("mma", "m64"),
@@ -545,16 +599,25 @@ def test_mma_core_has_no_stream_k(monkeypatch):
                                                             False, 80, 10, 8)
 
 
-@pytest.mark.parametrize(("tiles", "k_tiles", "resident", "gathered", "expected"), [
-    (10, 64, 264, 198, 8),  # TP 8: 8 MiB over 10 rings of 108 KiB
-    (80, 64, 264, 198, 1),  # TP 1: 80 rings already hold it
-    (2, 32, 264, 198, 32),  # a 0.5 MB weight: capped at the k-tiles
-    (2, 64, 264, 12, 12),  # 16 rows: capped at the partials one gather holds
-    (2, 64, 20, 198, 10),  # capped so that every CTA is resident
+@pytest.mark.parametrize(("weight_tiles", "tiles", "k_tiles", "sms", "per_sm", "gathered",
+                          "expected"), [
+    (10, 10, 64, 132, 2, 199, 8),  # TP 8: 8 MiB over 10 rings of 108 KiB
+    # TP 8, T = 64: 4 token tiles, capped so that all are resident (6 splits, 240 CTAs)
+    (10, 40, 64, 132, 2, 12, 6),
+    # TP 8, T = 32: 8 splits would put two CTAs on 28 SMs; 6 keep one per SM
+    (10, 20, 64, 132, 2, 12, 6),
+    # TP 2, T = 32: 2 splits on 160 CTAs, as busy per SM as 1 split on 80: kept
+    (40, 80, 64, 132, 2, 12, 2),
+    (80, 80, 64, 132, 2, 199, 1),  # TP 1: 80 rings already hold it
+    (2, 2, 32, 132, 2, 199, 32),  # a 0.5 MB weight: capped at the k-tiles
+    (2, 2, 64, 132, 2, 12, 12),  # 16 rows: capped at the partials one gather holds
+    (2, 2, 64, 10, 2, 199, 10),  # capped so that every CTA is resident
 ])
-def test_choose_splits(tiles, k_tiles, resident, gathered, expected, monkeypatch):
+def test_choose_splits(weight_tiles, tiles, k_tiles, sms, per_sm, gathered, expected,
+                       monkeypatch):
     monkeypatch.delenv("CUTE_KERNELS_STACKED_SPLITS", raising=False)
-    assert choose_splits(tiles, k_tiles, resident, 110592, gathered) == expected
+    assert choose_splits(weight_tiles, tiles, k_tiles, sms, per_sm, 110592,
+                         gathered) == expected
 
 
 def test_kernel_entry_requires_cuda():

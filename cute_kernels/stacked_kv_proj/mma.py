@@ -1,7 +1,7 @@
 """Portable stacked KV projection core: ``cp.async`` + warp ``mma.sync``, one tile (or one
 k-range of a tile) per CTA, the accumulators staged through SMEM for the norm/RoPE/scatter
 epilogue. Runs on sm_80 and later: the core of sm_100a, the fallback of sm_90a and, with the
-swapped decode tiles, the core of T <= 64 on both."""
+swapped decode tile, the core of the split decode plan on both."""
 
 from __future__ import annotations
 
@@ -176,6 +176,9 @@ class StackedKvProjMma(StackedKvProjBase):
         rCos = cute.make_rmem_tensor((self.rows_per_thread, CHUNK), Float32)
         rSin = cute.make_rmem_tensor((self.rows_per_thread, CHUNK), Float32)
         self.row_inputs(mPos, mLoc, mCommit, width, tile_m, tidx, rSlot, rPos, rCommitted)
+        rBias = cute.make_rmem_tensor((2, CHUNK), BFloat16)
+        rNorm = cute.make_rmem_tensor((2, CHUNK), self.norm_dtype)
+        self.column_inputs(mBias, mNormW, tile_n, tidx, rBias, rNorm)
 
         if const_expr(self.swap):  # weight rows are the MMA's M, tokens its N
             tCrC = self.mainloop(mW, tile_n, mX, tile_m, sA, sB, copy_a, copy_b, tiled_mma,
@@ -204,8 +207,8 @@ class StackedKvProjMma(StackedKvProjBase):
             finishes = self.reduce_splits(sC, sLast, mWork, mCount, tile, split, splits,
                                           rows_valid, tidx)
         if finishes:
-            self.epilogue(sC, mBias, mNormW, eps, num_tokens, k_caches, v_caches, tile_m,
-                          tile_n, tidx, rSlot, rCommitted, rCos, rSin)
+            self.epilogue(sC, eps, num_tokens, k_caches, v_caches, tile_m, tile_n, tidx, rSlot,
+                          rCommitted, rCos, rSin, rBias, rNorm)
 
     @cute.jit
     def reduce_splits(self, sC: cute.Tensor, sLast: cute.Tensor, mWork: cute.Tensor,
@@ -458,11 +461,30 @@ class StackedKvProjMma(StackedKvProjBase):
                 )
 
     @cute.jit
+    def column_inputs(self, mBias: cute.Tensor | None, mNormW: cute.Tensor, tile_n: Int32,
+                      tidx: Int32, rBias: cute.Tensor, rNorm: cute.Tensor) -> None:
+        """This thread's bias values and norm weights of both halves (``(2, CHUNK)``, the same
+        for every row it finishes), loaded before the main loop like the row metadata: a cold
+        DRAM round trip the epilogue would otherwise wait for after the last split arrives.
+        Kept in their own dtypes (converted in the epilogue), so nothing waits for them here."""
+        half = self.head_dim // 2
+        lane_in_head, head, _ = self.epilogue_thread(tidx)
+        col_lo = head * self.head_dim + lane_in_head * CHUNK  # tile column of the first half
+        layer, _ = self.tile_layer(tile_n)
+        for h in cutlass.range_constexpr(2):
+            if const_expr(self.has_bias):
+                gb = cute.local_tile(
+                    mBias, (CHUNK,), ((tile_n * self.bn + col_lo + h * half) // CHUNK,)
+                )
+                cute.autovec_copy(gb, rBias[h, None])
+            gn = cute.local_tile(mNormW[layer, None], (CHUNK,),
+                                 ((lane_in_head * CHUNK + h * half) // CHUNK,))
+            cute.autovec_copy(gn, rNorm[h, None])
+
+    @cute.jit
     def epilogue(
         self,
         sC: cute.Tensor,
-        mBias: cute.Tensor | None,
-        mNormW: cute.Tensor,
         eps: Float32,
         num_tokens: Int32,
         k_caches: tuple,
@@ -474,32 +496,22 @@ class StackedKvProjMma(StackedKvProjBase):
         rCommitted: cute.Tensor,
         rCos: cute.Tensor,
         rSin: cute.Tensor,
+        rBias: cute.Tensor,
+        rNorm: cute.Tensor,
     ) -> None:
-        """Rows of the staged fp32 tile -> cache rows (row metadata and cos/sin prefetched)."""
+        """Rows of the staged fp32 tile -> cache rows (row metadata, bias, norm weights and
+        cos/sin prefetched)."""
         half = self.head_dim // 2
         lane_in_head, head, row_first = self.epilogue_thread(tidx)
         col_lo = head * self.head_dim + lane_in_head * CHUNK  # tile column of the first half
-        layer, is_k, base, row_bytes = self.tile_destination(tile_n, k_caches, v_caches, col_lo)
-
-        # Per-thread constants: its 16 bias values and 16 norm weights (same for every row).
-        rBias = cute.make_rmem_tensor((2 * CHUNK,), Float32)
-        if const_expr(self.has_bias):
-            rB16 = cute.make_rmem_tensor((CHUNK,), BFloat16)
-            for h in cutlass.range_constexpr(2):
-                gb = cute.local_tile(
-                    mBias, (CHUNK,), ((tile_n * self.bn + col_lo + h * half) // CHUNK,)
-                )
-                cute.autovec_copy(gb, rB16)
-                for i in cutlass.range_constexpr(CHUNK):
-                    rBias[h * CHUNK + i] = rB16[i].to(Float32)
-        rNorm = cute.make_rmem_tensor((2 * CHUNK,), Float32)
-        rN = cute.make_rmem_tensor((CHUNK,), self.norm_dtype)
-        d_lo = lane_in_head * CHUNK
+        _, is_k, base, row_bytes = self.tile_destination(tile_n, k_caches, v_caches, col_lo)
+        rBiasF = cute.make_rmem_tensor((2 * CHUNK,), Float32)
+        rNormF = cute.make_rmem_tensor((2 * CHUNK,), Float32)
         for h in cutlass.range_constexpr(2):
-            gn = cute.local_tile(mNormW[layer, None], (CHUNK,), ((d_lo + h * half) // CHUNK,))
-            cute.autovec_copy(gn, rN)
             for i in cutlass.range_constexpr(CHUNK):
-                rNorm[h * CHUNK + i] = rN[i].to(Float32)
+                if const_expr(self.has_bias):
+                    rBiasF[h * CHUNK + i] = rBias[h, i].to(Float32)
+                rNormF[h * CHUNK + i] = rNorm[h, i].to(Float32)
 
         inv_d = Float32(1.0 / self.head_dim)  # exact: D is a power of two
         rAcc = cute.make_rmem_tensor((CHUNK,), Float32)
@@ -515,7 +527,7 @@ class StackedKvProjMma(StackedKvProjBase):
                 cute.autovec_copy(cute.local_tile(sC[row, None], (CHUNK,), (col,)), rAcc)
                 for i in cutlass.range_constexpr(CHUNK):
                     rY[h * CHUNK + i] = r1(
-                        rAcc[i], rBias[h * CHUNK + i] if const_expr(self.has_bias) else None
+                        rAcc[i], rBiasF[h * CHUNK + i] if const_expr(self.has_bias) else None
                     )
 
             if is_k:
@@ -529,7 +541,7 @@ class StackedKvProjMma(StackedKvProjBase):
                     offset *= 2
                 rstd = du.rsqrt_approx(ss * inv_d + eps)
                 for i in cutlass.range_constexpr(2 * CHUNK):
-                    rY[i] = r2(rY[i], rstd, rNorm[i])
+                    rY[i] = r2(rY[i], rstd, rNormF[i])
                 for i in cutlass.range_constexpr(CHUNK):
                     rY[i], rY[CHUNK + i] = neox_rotate(rY[i], rY[CHUNK + i], rCos[it, i],
                                                        rSin[it, i])

@@ -10,6 +10,7 @@ serves every token count and every schedule.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 from ..layouts import STACKED_K_TILE
@@ -51,14 +52,15 @@ class TileConfig:
 TILE_SMALL = TileConfig("m64", bm=64, wide=False, mma_stages=8, cost=0.85)
 TILE_MEDIUM = TileConfig("m128", bm=128, wide=False, mma_stages=4, cost=1.0)
 TILE_WIDE = TileConfig("m128w", bm=128, wide=True, mma_stages=0, cost=1.75)
-# Decode sizes (T <= 16) are a stream of the weight: a swapped tile of 16 tokens, split along
-# K (choose_splits). A 64-token swapped tile measured slower than the wgmma core at T = 32 and
-# 64 in every layout but one (specs/stacked_kv_proj.md) and was dropped.
+# Decode sizes are a stream of the weight: a swapped tile of 16 tokens, split along K
+# (choose_splits), each token tile reading the weight through L2. A 64-token swapped tile
+# measured slower than the wgmma core at T = 32 and 64 in every layout but one
+# (specs/stacked_kv_proj.md) and was dropped.
 TILE_SWAP = TileConfig("swap16", bm=16, wide=False, mma_stages=8, cost=0.0, swap=True)
 TILES = {t.name: t for t in (TILE_SMALL, TILE_MEDIUM, TILE_WIDE, TILE_SWAP)}
 SWAP_TILES = tuple(name for name, t in TILES.items() if t.swap)
-#: The largest T planned with the swapped tile (larger T: the data-parallel tiles).
-SWAP_MAX_TOKENS = TILE_SWAP.bm
+#: The largest T the swapped tile is planned for (the range its cost model was fitted on).
+SWAP_MAX_TOKENS = 256
 #: Weight bytes in flight (all split CTAs' rings together) that keep the H200's DRAM busy:
 #: the best measured split put 6.5-10 MB of ring in flight in every layout (TP 8: 10 tiles x 8
 #: splits of a 108 KiB ring; TP 1: 80 tiles unsplit; D = 256: 4 x 8 of 204 KiB); more CTAs
@@ -140,18 +142,13 @@ def impls_for(arch: str) -> tuple[str, ...]:
     return ("wgmma", "mma") if arch == "sm_90a" else ("mma",)
 
 
-def choose_impl(arch: str, tokens: int | None = None) -> str:
-    """The core a call of ``tokens`` rows uses on ``arch`` (``CUTE_KERNELS_STACKED_IMPL``
-    overrides): the mma core with a swapped tile at decode sizes (or when one is forced),
-    else wgmma on sm_90a. ``tokens=None``: the core of large T."""
+def choose_impl(arch: str) -> str:
+    """The core a call uses on ``arch`` unless :func:`choose_plan` picks the swapped tile
+    (``CUTE_KERNELS_STACKED_IMPL`` overrides; a forced swapped tile is the mma core's): wgmma
+    on sm_90a, else mma."""
     wanted = os.environ.get(IMPL_ENV, "auto")
     if wanted == "auto":
-        tile = os.environ.get(TILE_ENV, "auto")
-        decode = (tile == "auto" and os.environ.get(SCHEDULE_ENV, "auto") == "auto"
-                  and tokens is not None and tokens <= SWAP_MAX_TOKENS)
-        if tile in SWAP_TILES or decode:
-            return "mma"
-        return impls_for(arch)[0]
+        return "mma" if os.environ.get(TILE_ENV, "auto") in SWAP_TILES else impls_for(arch)[0]
     if wanted not in impls_for(arch):
         fail(IMPL_ENV, f"one of auto, {', '.join(impls_for(arch))} on {arch}", repr(wanted))
     return wanted
@@ -255,8 +252,6 @@ def choose_tile(tokens: int, impl: str, num_layers: int, n_kv: int, head_dim: in
     forced = forced_tile(impl)
     if forced is not None:
         return forced
-    if impl == "mma" and tokens <= SWAP_MAX_TOKENS:
-        return TILE_SWAP.name
     layout = StackedLayout(num_layers, n_kv, head_dim, False, False, "float32", "")
     return min((name for name in tiles_for(impl) if not TILES[name].swap), key=lambda name:
                estimate(tile_count(tokens, layout, TILES[name]), sms, TILES[name]))
@@ -289,39 +284,122 @@ def gathered_partials(tile: TileConfig, bn: int, rows: int) -> int:
     return max(1, gather_bytes(swap_ring(tile, bn)[0], tile.bm, bn) // (rows * bn * 4))
 
 
-def choose_splits(tiles: int, k_tiles: int, resident: int, ring_bytes: int,
-                  gathered: int) -> int:
-    """K splits per tile of a swapped plan (``CUTE_KERNELS_STACKED_SPLITS`` overrides): enough
-    CTAs that their rings (``ring_bytes`` each) hold ``SPLIT_IN_FLIGHT_BYTES`` of weight in
-    flight, all resident at once (``resident``), no more partials than the last CTA gathers
-    in one round trip (``gathered``), and never more splits than k-tiles."""
+def choose_splits(weight_tiles: int, tiles: int, k_tiles: int, sms: int, per_sm: int,
+                  ring_bytes: int, gathered: int) -> int:
+    """K splits per tile of a swapped plan of ``tiles`` tiles over ``weight_tiles`` weight
+    tiles on ``sms`` SMs holding ``per_sm`` CTAs each (``CUTE_KERNELS_STACKED_SPLITS``
+    overrides): enough CTAs that the rings of one token tile's CTAs (``ring_bytes`` each) hold
+    ``SPLIT_IN_FLIGHT_BYTES`` of weight in flight (the other token tiles stream the same
+    weight, from L2), all resident at once, no more partials than the last CTA gathers in one
+    round trip (``gathered``), and never more splits than k-tiles.
+
+    A grid just past one CTA per SM leaves a few SMs with two CTAs, and those set the time: so
+    the split that keeps one CTA per SM is taken instead when the busiest SM's share of a
+    tile's k-range, ``ceil(CTAs / sms) / splits``, is smaller with it (TP 8, T = 32: 4 splits
+    on 80 CTAs 12.9 us, 8 splits on 160 CTAs 14.2; TP 2, T = 32: 2 splits on 160 CTAs 22.6,
+    1 on 80 26.0, the busiest share being the same)."""
     forced = forced_splits()
     if forced is None:
-        wanted = round(SPLIT_IN_FLIGHT_BYTES / (tiles * ring_bytes))
-        forced = min(wanted, resident // tiles, gathered)
+        wanted = round(SPLIT_IN_FLIGHT_BYTES / (weight_tiles * ring_bytes))
+        forced = max(1, min(wanted, sms * per_sm // tiles, gathered))
+        one_per_sm = sms // tiles
+        if 1 <= one_per_sm < forced and forced < -(-tiles * forced // sms) * one_per_sm:
+            forced = one_per_sm
     return max(1, min(k_tiles, forced))
+
+
+# Cost model of the decode plans (cold µs on the H200 and its 132 SMs, 2026-12-01: least
+# squares over the 2026-12-01 sweep of T = 32..256 in seven layouts, specs/stacked_kv_proj.md;
+# rms error 1.4 µs for the swapped plan, 3.0 for the wgmma core). Both are a fixed cost plus
+# each CTA's own stream of weight (the in-flight bound of one CTA), the weight's DRAM bytes,
+# and: for the swapped tile, every token tile's read of the weight from L2 (per SM); for the
+# wgmma core, its MMA work per CTA. The wgmma core streams a CTA's bytes twice as fast (one
+# CTA per SM with a 3-4x larger ring), the swapped plan splits them over more CTAs.
+#: (fixed, per MB per CTA, per MB of L2 reads per SM, per weight MB)
+SWAP_COST_US = (9.33, 7.75, 4.16, 0.138)
+#: (fixed, per MB per CTA, per GFLOP per CTA, per weight MB)
+WGMMA_COST_US = (7.40, 3.73, 76.3, 0.216)
+
+
+def swap_estimate_us(weight_bytes: int, cta_bytes: float, token_tiles: int, sms: int) -> float:
+    """Estimated cold time of a swapped plan: ``cta_bytes`` of weight per CTA, ``token_tiles``
+    token tiles each reading all ``weight_bytes``, on ``sms`` SMs."""
+    fixed, per_cta, per_l2, per_weight = SWAP_COST_US
+    return (fixed + per_cta * cta_bytes / 1e6 + per_l2 * token_tiles * weight_bytes / sms / 1e6
+            + per_weight * weight_bytes / 1e6)
+
+
+def wgmma_estimate_us(weight_bytes: int, cta_bytes: float, cta_flops: float) -> float:
+    """Estimated cold time of a data-parallel wgmma plan whose busiest CTA streams
+    ``cta_bytes`` of weight and does ``cta_flops`` of MMA."""
+    fixed, per_cta, per_gflop, per_weight = WGMMA_COST_US
+    return (fixed + per_cta * cta_bytes / 1e6 + per_gflop * cta_flops / 1e9
+            + per_weight * weight_bytes / 1e6)
+
+
+def swap_plan(layout: StackedLayout, tokens: int, hidden: int,
+              ctas: int) -> tuple[StackedPlan, float]:
+    """The split swapped plan of a call and its estimated time: infinite when its tiles do not
+    all fit on the GPU at once (a second wave of weight streams measured 1.5-2.2x slower than
+    the wgmma core at TP 1, T = 64 and 128)."""
+    config = TILES[TILE_SWAP.name]
+    bn = tile_n(layout.head_dim, layout.kv)
+    stages, per_sm = swap_ring(config, bn)
+    weight_tiles = layout.num_layers * 2 * layout.kv // bn
+    tiles = tile_count(tokens, layout, config)
+    k_tiles = hidden // STACKED_K_TILE
+    splits = choose_splits(weight_tiles, tiles, k_tiles, ctas, per_sm,
+                           ring_bytes(stages, config.bm, bn),
+                           gathered_partials(config, bn, min(tokens, config.bm)))
+    weight_bytes = weight_tiles * bn * hidden * 2
+    estimate_us = math.inf
+    if tiles <= ctas * per_sm:
+        estimate_us = swap_estimate_us(weight_bytes, bn * hidden * 2 / splits,
+                                       tiles // weight_tiles, ctas)
+    plan = StackedPlan(StackedVariant("mma", config.name), False, tiles * splits, tiles, splits)
+    return plan, estimate_us
+
+
+def wgmma_dp_estimate_us(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
+                         tile: str) -> float:
+    """Estimated cold time of the wgmma core's data-parallel plan with ``tile``."""
+    config = TILES[tile]
+    bn = tile_n(layout.head_dim, layout.kv, config.wide)
+    waves = -(-tile_count(tokens, layout, config) // ctas)
+    weight_bytes = layout.num_layers * 2 * layout.kv * hidden * 2
+    return wgmma_estimate_us(weight_bytes, waves * bn * hidden * 2,
+                             waves * 2 * config.bm * bn * hidden)
 
 
 def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int) -> StackedPlan:
     """The plan of a call of ``tokens`` rows and hidden size ``hidden`` on a GPU that holds
-    ``ctas`` CTAs of the wgmma core at once (one per SM): the data-parallel tile of least
-    estimated time, or stream-K where it measured faster (``STREAM_K_*``). Overrides:
-    ``CUTE_KERNELS_STACKED_{IMPL,TILE,SCHEDULE,CTAS}``. The mma core has no stream-K
-    schedule: one CTA per tile."""
-    impl = choose_impl(layout.arch, tokens)
+    ``ctas`` CTAs of the wgmma core at once (one per SM).
+
+    Up to ``SWAP_MAX_TOKENS``, the split swapped tile when all its CTAs fit at once and, where
+    the wgmma core exists, its estimated time is below the wgmma core's (the cost model
+    above). Otherwise the data-parallel tile of least estimated waves, or stream-K where it
+    measured faster (``STREAM_K_*``). Overrides: ``CUTE_KERNELS_STACKED_{IMPL,TILE,SCHEDULE,
+    CTAS,SPLITS}``; any but the split one leaves the swapped tile out unless it names it. The
+    mma core has no stream-K schedule: one CTA per tile, or per k-range of a split tile."""
+    impl = choose_impl(layout.arch)
     cap = ctas_cap()
     ctas = ctas if cap is None else min(ctas, cap)
+    overridden = any(os.environ.get(name, "auto") != "auto"
+                     for name in (IMPL_ENV, TILE_ENV, SCHEDULE_ENV))
+    if not overridden and tokens <= SWAP_MAX_TOKENS:
+        plan, estimate_us = swap_plan(layout, tokens, hidden, ctas)
+        if estimate_us < math.inf and impl != "wgmma":
+            return plan
+        tile = choose_tile(tokens, impl, layout.num_layers, layout.n_kv, layout.head_dim, ctas)
+        if estimate_us < wgmma_dp_estimate_us(layout, tokens, hidden, ctas, tile):
+            return plan
     tile = choose_tile(tokens, impl, layout.num_layers, layout.n_kv, layout.head_dim, ctas)
     config = TILES[tile]
     tiles = tile_count(tokens, layout, config)
     if impl == "mma":
-        splits = forced_splits() or 1
         if config.swap:
-            bn = tile_n(layout.head_dim, layout.kv)
-            splits = choose_splits(tiles, hidden // STACKED_K_TILE,
-                                   ctas * swap_ring(config, bn)[1], swap_ring_bytes(config, bn),
-                                   gathered_partials(config, bn, min(tokens, config.bm)))
-        splits = min(splits, hidden // STACKED_K_TILE)
+            return swap_plan(layout, tokens, hidden, ctas)[0]
+        splits = min(forced_splits() or 1, hidden // STACKED_K_TILE)
         return StackedPlan(StackedVariant(impl, tile), False, tiles * splits, tiles, splits)
     wanted = forced_schedule()
     tile_bytes = layout.num_layers * 2 * layout.kv * hidden * 2 // tiles
