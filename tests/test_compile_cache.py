@@ -146,3 +146,27 @@ def test_symbols_are_unique_per_key():
     names = {compile_cache.symbol_name("kv_rope_insert", key)
              for arch in ("sm_90a", "sm_100a") for key in KERNELS.variants(arch)}
     assert len(names) == 8
+
+
+class _KwargsCompiled:
+    """Stands in for the DSL's compiled object with a keyword-argument wrapper: it hands out
+    its bare TVM-FFI function through ``__tvm_ffi_object__``."""
+
+    def __init__(self, key):
+        self.key = key
+
+    def __call__(self, *args):
+        raise AssertionError("a fresh compile must be called through its bare function")
+
+    def __tvm_ffi_object__(self):
+        return lambda: ("bare", self.key)
+
+
+def test_a_fresh_compile_is_called_through_its_bare_function(monkeypatch):
+    """As a function loaded from disk is: the wrapper's Python frame is skipped, and the
+    compiled object (which owns the code) stays alive with the cache."""
+    monkeypatch.setenv("CUTE_KERNELS_DISK_CACHE", "0")
+    cache = KernelCache("bare_test", _KwargsCompiled, lambda arch: [])
+    fn = cache.get(("a", "sm_90a"))
+    assert fn() == ("bare", ("a", "sm_90a"))
+    assert any(isinstance(m, _KwargsCompiled) for m in cache._modules)
