@@ -193,6 +193,7 @@ def test_an_oserror_at_any_disk_step_degrades_to_memory(root, monkeypatch, step)
         return real(*args, **kwargs)
 
     cache = new_cache()
+    compile_cache.fingerprint()  # computed (it stats files) before lstat fails, in any order
     with monkeypatch.context() as patch:
         patch.setattr(os, name, failing)
         fn, messages = get_recording_warnings(cache)
