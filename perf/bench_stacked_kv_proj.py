@@ -94,6 +94,15 @@ def stacked_torch(case, layout: Layout) -> None:
         case.v_caches[layer][case.cache_loc] = y[:, layer, 1]
 
 
+def plan_label(plan) -> str:
+    """How a report names a plan: the tile, then stream-K, split K or data-parallel."""
+    if plan.stream_k:
+        return f"{plan.variant.tile} streamk {plan.grid} CTAs, {plan.dp_tiles} DP tiles"
+    if plan.splits > 1:
+        return f"{plan.variant.tile} split {plan.splits}, {plan.grid} CTAs"
+    return f"{plan.variant.tile} dp {plan.grid} CTAs"
+
+
 def target_us(tokens: int, cublas_us: float, floor_us: float) -> float:
     """The issue's targets: at decode sizes (T <= 256) at most max(0.9 x the bare GEMM, 1.1 x
     the floor); at larger T no slower than the bare GEMM."""
@@ -137,9 +146,7 @@ def _row(timer: Timer, ceiling: float, layout: Layout, t: int, empty_us: float,
     row = {
         "kernel": "stacked_kv_proj", "format": layout.label, "tokens": t, "bytes": nbytes,
         "exact": result.exact_enough, "within_1ulp": result.within_one_ulp,
-        "max_ulp": result.max_ulp, "plan": f"{plan.variant.tile} "
-        + (f"streamk {plan.grid} CTAs, {plan.dp_tiles} DP tiles" if plan.stream_k
-           else f"dp {plan.grid} CTAs"),
+        "max_ulp": result.max_ulp, "plan": plan_label(plan),
         "cold_us": cold, "hot_us": timer.hot_us(call), "host_us": timer.host_us(call),
         "pct_of_copy_cold": 100 * nbytes / (cold * 1e-6) / ceiling,
         "tflops": flops / (cold * 1e-6) / 1e12,
