@@ -386,14 +386,14 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int) -> S
     ctas = ctas if cap is None else min(ctas, cap)
     overridden = any(os.environ.get(name, "auto") != "auto"
                      for name in (IMPL_ENV, TILE_ENV, SCHEDULE_ENV))
+    tile = choose_tile(tokens, impl, layout.num_layers, layout.n_kv, layout.head_dim, ctas)
     if not overridden and tokens <= SWAP_MAX_TOKENS:
         plan, estimate_us = swap_plan(layout, tokens, hidden, ctas)
-        if estimate_us < math.inf and impl != "wgmma":
+        # no other core to weigh it against on an arch without wgmma: taken when it fits
+        other_us = (wgmma_dp_estimate_us(layout, tokens, hidden, ctas, tile)
+                    if impl == "wgmma" else math.inf)
+        if estimate_us < other_us:
             return plan
-        tile = choose_tile(tokens, impl, layout.num_layers, layout.n_kv, layout.head_dim, ctas)
-        if estimate_us < wgmma_dp_estimate_us(layout, tokens, hidden, ctas, tile):
-            return plan
-    tile = choose_tile(tokens, impl, layout.num_layers, layout.n_kv, layout.head_dim, ctas)
     config = TILES[tile]
     tiles = tile_count(tokens, layout, config)
     if impl == "mma":
