@@ -9,7 +9,7 @@ from cute_kernels import reference
 from cute_kernels.layouts import HEAD_DIM, ROPE_DIM, CacheFormat
 from cute_kernels.testing import kv_rope_insert_case
 
-from .timing import Timer
+from .timing import Timer, host_us
 
 TOKENS = (1, 16, 512, 2048, 16384, 65536, 262144)
 BLOCK_SIZE = 64
@@ -53,7 +53,7 @@ def run(timer: Timer, ceiling: float, tokens=TOKENS, baselines: bool = True,
             row = {
                 "kernel": "kv_rope_insert", "format": label, "tokens": t,
                 "block_size": BLOCK_SIZE, "slots": pattern, "bytes": nbytes, "exact": exact,
-                "cold_us": cold, "hot_us": timer.hot_us(call), "host_us": timer.host_us(call),
+                "cold_us": cold, "hot_us": timer.hot_us(call), "host_us": host_us(call),
                 "pct_of_copy_cold": 100 * nbytes / (cold * 1e-6) / ceiling,
             }
             if baselines:

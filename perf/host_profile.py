@@ -9,28 +9,16 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import time
 
 import torch
 
 import cute_kernels
 from cute_kernels.testing import compress_c128_case, kv_rope_insert_case, stacked_kv_proj_case
 
+from .timing import host_us
 
-def _per_call_us(fn, calls: int, burst: int = 200) -> float:
-    """Host wall time per call over ``calls`` calls in bursts of ``burst`` from an idle GPU
-    (a burst stays below the driver's launch queue depth, so no call waits for the GPU), the
-    GPU's own time left out."""
-    fn()
-    total = 0.0
-    for _ in range(max(1, calls // burst)):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(burst):
-            fn()
-        total += time.perf_counter() - start
-    torch.cuda.synchronize()
-    return total / (max(1, calls // burst) * burst) * 1e6
+#: calls per timed burst from an idle GPU (far below the driver's launch queue depth)
+BURST = 200
 
 
 def main() -> None:
@@ -46,14 +34,14 @@ def main() -> None:
     }
     for name, args in cases.items():
         op = getattr(cute_kernels, name)
-        call_us = _per_call_us(lambda a=args, op=op: op(*a), cli.calls)
-        check_us = _per_call_us(lambda a=args, op=op: op.check(*a), cli.calls)
+        call_us = host_us(lambda a=args, op=op: op(*a), BURST, max(1, cli.calls // BURST))
+        check_us = host_us(lambda a=args, op=op: op.check(*a), BURST, max(1, cli.calls // BURST))
         print(f"{name}: {call_us:.1f} us per call, {check_us:.1f} us per check", flush=True)
         profile = cProfile.Profile()
-        for _ in range(max(1, cli.calls // 200)):
+        for _ in range(max(1, cli.calls // BURST)):
             torch.cuda.synchronize()
             profile.enable()
-            for _ in range(200):
+            for _ in range(BURST):
                 op(*args)
             profile.disable()
         torch.cuda.synchronize()

@@ -60,23 +60,6 @@ class Timer:
         self._replay_us(graph, False, 5)
         return self._replay_us(graph, False, max(10, self.replays // 3)) / calls
 
-    def host_us(self, fn: Callable[[], None], calls: int = 200, reps: int = 5) -> float:
-        """Wall time per eager call of the host alone: ``calls`` back-to-back calls with the
-        GPU idle at the start, timed up to the last call's return (not to the GPU's end,
-        which would time the kernels whenever they run longer than their launches; 200
-        launches stay far below the driver's queue depth, so none waits for the GPU); best
-        of ``reps``."""
-        fn()
-        samples = []
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            begin = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            samples.append((time.perf_counter() - begin) / calls * 1e6)
-        torch.cuda.synchronize()
-        return min(samples)
-
     def eager_cold_us(self, fn: Callable[[], None], reps: int = 15) -> float:
         """For baselines that cannot be graph-captured (data-dependent shapes): events around
         one eager call after an L2 flush, launch overhead included; median."""
@@ -144,3 +127,20 @@ def environment() -> dict:
         "cutlass_dsl": cutlass.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
+
+
+def host_us(fn: Callable[[], None], calls: int = 200, reps: int = 5) -> float:
+    """Wall time per eager call of the host alone: ``calls`` back-to-back calls with the GPU
+    idle at the start, timed up to the last call's return (not to the GPU's end, which would
+    time the kernels whenever they run longer than their launches; 200 launches stay far below
+    the driver's queue depth, so none waits for the GPU); best of ``reps``."""
+    fn()
+    samples = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - begin) / calls * 1e6)
+    torch.cuda.synchronize()
+    return min(samples)

@@ -89,15 +89,15 @@ class StackedKvProjKey:
 
 def _build(key: StackedKvProjKey):
     """Tensor-free compile: T, H, slots, max_pos, bs and the cache row strides are symbolic."""
-    layout, plan = key.layout, key.variant
-    if plan.impl not in impls_for(layout.arch):
+    layout, variant = key.layout, key.variant
+    if variant.impl not in impls_for(layout.arch):
         raise LayoutError(f"impl: expected one of {impls_for(layout.arch)} for "
-                          f"{layout.arch}, got {plan.impl}")
-    if plan.tile not in tiles_for(plan.impl):
-        raise LayoutError(f"tile: expected one of {tiles_for(plan.impl)} for the {plan.impl} "
-                          f"core, got {plan.tile}")
+                          f"{layout.arch}, got {variant.impl}")
+    if variant.tile not in tiles_for(variant.impl):
+        raise LayoutError(f"tile: expected one of {tiles_for(variant.impl)} for the {variant.impl} "
+                          f"core, got {variant.tile}")
     d = layout.head_dim
-    n_total = layout.num_layers * 2 * layout.kv
+    n_total = layout.columns
     norm_dtype = du.DSL_DTYPES[NORM_DTYPES[layout.norm_dtype]]
     tokens, hidden = du.sym(), du.sym()
     row_stride = du.sym_stride(ROW_STRIDE_ELEMS)
@@ -121,13 +121,13 @@ def _build(key: StackedKvProjKey):
 
     k_caches = tuple(cache("k_caches") for _ in range(layout.num_layers))
     v_caches = tuple(cache("v_caches") for _ in range(layout.num_layers))
-    kernel = CORES[plan.impl](layout.num_layers, layout.n_kv, d, layout.has_bias,
-                              layout.has_commit, norm_dtype, TILES[plan.tile])
+    kernel = CORES[variant.impl](layout.num_layers, layout.n_kv, d, layout.has_bias,
+                              layout.has_commit, norm_dtype, TILES[variant.tile])
     # the split-K / stream-K workspace and counters, then the wgmma core's grid and DP tiles,
     # or the mma core's K splits per tile
     schedule = (du.fake_row_major(Float32, (du.sym(),), align=WORKSPACE_ALIGN),
                 du.fake_row_major(Int32, (du.sym(),), align=4),
-                *((Int32(1), Int32(1)) if plan.impl == "wgmma" else (Int32(1),)))
+                *((Int32(1), Int32(1)) if variant.impl == "wgmma" else (Int32(1),)))
     return du.compile_tvm_ffi(
         kernel, x, w, bias, norm_w, Float32(1e-6), pos, cos_sin, loc, commit, Int32(1),
         k_caches, v_caches, *schedule, du.env_stream(), arch=layout.arch,
@@ -280,7 +280,7 @@ def _launch(layout: StackedLayout, args: tuple) -> Callable[[tuple], None]:
     H and the ``CUTE_KERNELS_STACKED_*`` overrides are part of the layout), the compiled
     function and the workspace size are found once; the stream's workspace, the flat view of
     ``cache_loc_2d`` and the cache tuples per call."""
-    ctx_hidden, _, _, _, _, _, _, _, _, _, cache_loc_2d, _ = args
+    ctx_hidden = args[0]
     if ctx_hidden.shape[0] == 0:
         return skip_launch
     plan = _plan(layout, ctx_hidden)

@@ -88,6 +88,15 @@ class StackedLayout:
     def kv(self) -> int:
         return self.n_kv * self.head_dim
 
+    @property
+    def columns(self) -> int:
+        """Rows of the stacked weight: K then V of every layer."""
+        return self.num_layers * 2 * self.kv
+
+    def weight_bytes(self, hidden: int) -> int:
+        """Bytes of the bf16 stacked weight for hidden size ``hidden``."""
+        return self.columns * hidden * 2
+
 
 @dataclasses.dataclass(frozen=True)
 class StackedVariant:
@@ -217,7 +226,7 @@ STREAM_K_TILE = "m64"
 
 
 def tile_count(tokens: int, layout: StackedLayout, tile: TileConfig) -> int:
-    return -(-tokens // tile.bm) * (layout.num_layers * 2 * layout.kv
+    return -(-tokens // tile.bm) * (layout.columns
                                     // tile_n(layout.head_dim, layout.kv, tile.wide))
 
 
@@ -273,15 +282,11 @@ def gather_bytes(stages: int, bm: int, bn: int) -> int:
     return ring_bytes(stages, bm, bn) - bm * (bn + C_ROW_PAD) * 4
 
 
-def swap_ring_bytes(tile: TileConfig, bn: int) -> int:
-    """SMEM of swapped tile ``tile``'s ring with ``bn`` weight rows."""
-    return ring_bytes(swap_ring(tile, bn)[0], tile.bm, bn)
-
-
-def gathered_partials(tile: TileConfig, bn: int, rows: int) -> int:
-    """How many fp32 partials of ``rows`` rows the last CTA of a split swapped tile gathers in
-    one round trip (the kernel's batch, :func:`gather_bytes`)."""
-    return max(1, gather_bytes(swap_ring(tile, bn)[0], tile.bm, bn) // (rows * bn * 4))
+def gathered_partials(stages: int, bm: int, bn: int, rows: int) -> int:
+    """How many fp32 partials of ``rows`` rows the last CTA of a split tile (a ring of
+    ``stages`` stages of ``bm`` token and ``bn`` weight rows) gathers in one round trip (the
+    kernel's batch, :func:`gather_bytes`)."""
+    return max(1, gather_bytes(stages, bm, bn) // (rows * bn * 4))
 
 
 def choose_splits(weight_tiles: int, tiles: int, k_tiles: int, sms: int, per_sm: int,
@@ -342,19 +347,17 @@ def swap_plan(layout: StackedLayout, tokens: int, hidden: int,
     """The split swapped plan of a call and its estimated time: infinite when its tiles do not
     all fit on the GPU at once (a second wave of weight streams measured 1.5-2.2x slower than
     the wgmma core at TP 1, T = 64 and 128)."""
-    config = TILES[TILE_SWAP.name]
+    config = TILE_SWAP
     bn = tile_n(layout.head_dim, layout.kv)
     stages, per_sm = swap_ring(config, bn)
-    weight_tiles = layout.num_layers * 2 * layout.kv // bn
+    weight_tiles = layout.columns // bn
     tiles = tile_count(tokens, layout, config)
-    k_tiles = hidden // STACKED_K_TILE
-    splits = choose_splits(weight_tiles, tiles, k_tiles, ctas, per_sm,
+    splits = choose_splits(weight_tiles, tiles, hidden // STACKED_K_TILE, ctas, per_sm,
                            ring_bytes(stages, config.bm, bn),
-                           gathered_partials(config, bn, min(tokens, config.bm)))
-    weight_bytes = weight_tiles * bn * hidden * 2
+                           gathered_partials(stages, config.bm, bn, min(tokens, config.bm)))
     estimate_us = math.inf
     if tiles <= ctas * per_sm:
-        estimate_us = swap_estimate_us(weight_bytes, bn * hidden * 2 / splits,
+        estimate_us = swap_estimate_us(layout.weight_bytes(hidden), bn * hidden * 2 / splits,
                                        tiles // weight_tiles, ctas)
     plan = StackedPlan(StackedVariant("mma", config.name), False, tiles * splits, tiles, splits)
     return plan, estimate_us
@@ -366,8 +369,7 @@ def wgmma_dp_estimate_us(layout: StackedLayout, tokens: int, hidden: int, ctas: 
     config = TILES[tile]
     bn = tile_n(layout.head_dim, layout.kv, config.wide)
     waves = -(-tile_count(tokens, layout, config) // ctas)
-    weight_bytes = layout.num_layers * 2 * layout.kv * hidden * 2
-    return wgmma_estimate_us(weight_bytes, waves * bn * hidden * 2,
+    return wgmma_estimate_us(layout.weight_bytes(hidden), waves * bn * hidden * 2,
                              waves * 2 * config.bm * bn * hidden)
 
 
@@ -402,7 +404,7 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int) -> S
         splits = min(forced_splits() or 1, hidden // STACKED_K_TILE)
         return StackedPlan(StackedVariant(impl, tile), False, tiles * splits, tiles, splits)
     wanted = forced_schedule()
-    tile_bytes = layout.num_layers * 2 * layout.kv * hidden * 2 // tiles
+    tile_bytes = layout.weight_bytes(hidden) // tiles
     stream_k = wanted == "streamk" or (
         wanted == "auto" and tokens <= STREAM_K_MAX_TOKENS
         and tile_bytes >= STREAM_K_MIN_TILE_BYTES)
