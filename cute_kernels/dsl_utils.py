@@ -300,6 +300,18 @@ def load_peer_f32(smem_addr: Int32, peer_rank: Int32) -> Float32:
     return Float32(value)
 
 
+def load_peer_v4(smem_addr: Int32, peer_rank: Int32) -> tuple:
+    """Four fp32 from the same 16-byte aligned shared-memory offset of CTA ``peer_rank`` of
+    this cluster, one distributed-shared-memory load. Needs a cluster barrier between the
+    peer's writes and this read, and another before the peer exits."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 remote; mapa.shared::cluster.u32 remote, {$r0}, {$r1};"
+        " ld.shared::cluster.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [remote]; }",
+        write_only_types=[Float32] * 4,
+        read_only_args=[smem_addr, peer_rank],
+    )
+
+
 # -- cross-CTA hand-over through global memory (stream-K partials) -------------------------------
 
 

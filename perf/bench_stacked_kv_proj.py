@@ -95,11 +95,13 @@ def stacked_torch(case, layout: Layout) -> None:
 
 
 def plan_label(plan) -> str:
-    """How a report names a plan: the tile, then stream-K, split K or data-parallel."""
+    """How a report names a plan: the tile, then stream-K, split K (and its hand-over) or
+    data-parallel."""
     if plan.stream_k:
         return f"{plan.variant.tile} streamk {plan.grid} CTAs, {plan.dp_tiles} DP tiles"
     if plan.splits > 1:
-        return f"{plan.variant.tile} split {plan.splits}, {plan.grid} CTAs"
+        handover = "cluster" if plan.variant.cluster else "workspace"
+        return f"{plan.variant.tile} split {plan.splits} {handover}, {plan.grid} CTAs"
     return f"{plan.variant.tile} dp {plan.grid} CTAs"
 
 

@@ -59,6 +59,7 @@ def _compress_c128() -> int:
 def _stacked_kv_proj() -> int:
     from cute_kernels import reference, stacked_kv_proj
     from cute_kernels.stacked_kv_proj.plan import (
+        HANDOVER_ENV,
         SCHEDULE_ENV,
         SPLITS_ENV,
         TILE_ENV,
@@ -69,9 +70,11 @@ def _stacked_kv_proj() -> int:
 
     arch = f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}a"
     # every tile of each core, with each schedule: the wgmma core's data-parallel and
-    # stream-K, the mma core's one CTA per tile and split K (3 CTAs per tile)
+    # stream-K, the mma core's one CTA per tile and split K (3 CTAs per tile) with each
+    # hand-over of the partials
     schedules = {"wgmma": ({SCHEDULE_ENV: "dp"}, {SCHEDULE_ENV: "streamk"}),
-                 "mma": ({SPLITS_ENV: "1"}, {SPLITS_ENV: "3"})}
+                 "mma": ({SPLITS_ENV: "1"}, {SPLITS_ENV: "3", HANDOVER_ENV: "workspace"},
+                         {SPLITS_ENV: "3", HANDOVER_ENV: "cluster"})}
     calls = 0
     for impl in impls_for(arch):
         for tile in tiles_for(impl):

@@ -486,14 +486,15 @@ def test_layout_on_meta_with_arch_override(arch, monkeypatch):
     monkeypatch.setenv("CUTE_KERNELS_ARCH", arch)
     layout = stacked_kv_proj.validate(*_args("meta").values())
     assert layout == StackedLayout(2, 2, 128, False, False, "float32", arch)
-    # T <= 16 on either arch: the swapped tile on the mma core, 8 tiles split 9 ways (9 x 8
-    # rings of 108 KiB hold the 8 MiB in flight)
+    # T <= 16 on either arch: the swapped tile on the mma core, 8 tiles split 8 ways, each
+    # tile's splits a cluster (9 x 8 rings of 108 KiB would hold the 8 MiB in flight; a
+    # cluster holds at most 8)
     assert choose_plan(layout, 16, 4096, 132) == StackedPlan(
-        StackedVariant("mma", "swap16"), False, 72, 8, 9)
+        StackedVariant("mma", "swap16", cluster=True), False, 64, 8, 8)
     # T = 17: two token tiles on the same 8 weight tiles (the second reads the weight from
-    # L2); 9 splits would be 144 CTAs, 12 SMs with two: 8 splits keep one CTA per SM
+    # L2); 8 splits on one CTA per SM: clusters
     assert choose_plan(layout, 17, 4096, 132) == StackedPlan(
-        StackedVariant("mma", "swap16"), False, 128, 16, 8)
+        StackedVariant("mma", "swap16", cluster=True), False, 128, 16, 8)
     # T = 256: 128 swapped tiles fit only 2 splits (est. 18.8 us); on sm_90a the wgmma core's
     # 32 m64 tiles are cheaper (est. 18.2 us), the mma core has no other tile that fits
     expected = (StackedPlan(StackedVariant("wgmma", "m64"), False, 32, 32) if arch == "sm_90a"
@@ -587,6 +588,41 @@ def test_plan_overrides(env, expected, monkeypatch):
     assert (plan.stream_k, plan.grid) == expected
 
 
+def test_split_hand_over(monkeypatch):
+    """T <= 16 hands the split partials over in a cluster, with at most 8 splits and only as
+    many clusters as are resident at once; more token tiles with few splits, or a forced
+    workspace, use the workspace; a forced cluster hand-over takes any split plan of the mma
+    core."""
+    layout = StackedLayout(2, 2, 128, False, False, "float32", "sm_90a")  # 8 weight tiles
+    assert choose_plan(layout, 1, 4096, 132) == StackedPlan(
+        StackedVariant("mma", "swap16", cluster=True), False, 64, 8, 8)
+    # clusters of 8 and 7 fit fewer CTAs than that: 6 splits
+    residency = {8: 48, 7: 49, 6: 48}.get
+    assert choose_plan(layout, 1, 4096, 132, lambda size, per_sm: residency(size, 264)) == (
+        StackedPlan(StackedVariant("mma", "swap16", cluster=True), False, 48, 8, 6))
+    # TP 4, T = 32: 40 tiles, 3 splits: the workspace
+    tp4 = StackedLayout(5, 2, 128, False, False, "float32", "sm_90a")
+    assert choose_plan(tp4, 32, 4096, 132) == StackedPlan(
+        StackedVariant("mma", "swap16"), False, 120, 40, 3)
+    monkeypatch.setenv("CUTE_KERNELS_STACKED_HANDOVER", "workspace")
+    assert choose_plan(layout, 1, 4096, 132) == StackedPlan(
+        StackedVariant("mma", "swap16"), False, 72, 8, 9)
+    monkeypatch.setenv("CUTE_KERNELS_STACKED_HANDOVER", "cluster")
+    assert choose_plan(layout, 17, 4096, 132) == StackedPlan(
+        StackedVariant("mma", "swap16", cluster=True), False, 128, 16, 8)
+    monkeypatch.setenv("CUTE_KERNELS_STACKED_IMPL", "mma")
+    monkeypatch.setenv("CUTE_KERNELS_STACKED_TILE", "m64")
+    monkeypatch.setenv("CUTE_KERNELS_STACKED_SPLITS", "3")
+    assert choose_plan(layout, 100, 4096, 132) == StackedPlan(
+        StackedVariant("mma", "m64", cluster=True), False, 48, 16, 3)
+    monkeypatch.setenv("CUTE_KERNELS_STACKED_SPLITS", "9")
+    with pytest.raises(LayoutError, match="CUTE_KERNELS_STACKED_SPLITS: expected at most 8"):
+        choose_plan(layout, 1, 4096, 132)
+    monkeypatch.setenv("CUTE_KERNELS_STACKED_HANDOVER", "dsmem")
+    with pytest.raises(LayoutError, match="CUTE_KERNELS_STACKED_HANDOVER: expected one of"):
+        choose_plan(layout, 1, 4096, 132)
+
+
 def test_mma_core_has_no_stream_k(monkeypatch):
     """On sm_100a the mma core runs: data-parallel tiles (a forced stream-K schedule is the
     wgmma core's), the split swapped tile at decode sizes."""
@@ -595,8 +631,8 @@ def test_mma_core_has_no_stream_k(monkeypatch):
     assert choose_plan(layout, 17, 4096, 148) == StackedPlan(StackedVariant("mma", "m64"),
                                                              False, 10, 10)
     monkeypatch.delenv("CUTE_KERNELS_STACKED_SCHEDULE")
-    assert choose_plan(layout, 1, 4096, 148) == StackedPlan(StackedVariant("mma", "swap16"),
-                                                            False, 80, 10, 8)
+    assert choose_plan(layout, 1, 4096, 148) == StackedPlan(
+        StackedVariant("mma", "swap16", cluster=True), False, 80, 10, 8)
 
 
 @pytest.mark.parametrize(("weight_tiles", "tiles", "k_tiles", "sms", "per_sm", "gathered",

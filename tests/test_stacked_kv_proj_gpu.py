@@ -26,6 +26,7 @@ import cute_kernels
 from cute_kernels import reference, stacked_kv_proj
 from cute_kernels.stacked_kv_proj.plan import (
     CTAS_ENV,
+    HANDOVER_ENV,
     IMPL_ENV,
     SCHEDULE_ENV,
     SPLITS_ENV,
@@ -202,13 +203,18 @@ SPLIT_K_CASES = [  # (tokens, H, L, n_kv, D, tile, splits): the mma core's split
 ]
 
 
+@pytest.mark.parametrize("handover", ["cluster", "workspace"])
 @pytest.mark.parametrize("case_args", SPLIT_K_CASES, ids=str)
-def test_split_k(case_args, monkeypatch):
-    """The mma core's split K forced on small and odd layouts: every tile's partials summed
-    in split order by the CTA that arrives last, skipped rows untouched."""
+def test_split_k(case_args, handover, monkeypatch):
+    """The mma core's split K forced on small and odd layouts, with both hand-overs: every
+    tile's partials summed in split order (in a cluster, each CTA its slice of the rows; over
+    the workspace, the CTA that arrives last), skipped rows untouched."""
     tokens, hidden, layers, n_kv, head_dim, tile, splits = case_args
+    if handover == "cluster" and (splits or 0) > 8:
+        pytest.skip("a cluster holds at most 8 splits")
     monkeypatch.setenv(IMPL_ENV, "mma")
     monkeypatch.setenv(TILE_ENV, tile)
+    monkeypatch.setenv(HANDOVER_ENV, handover)
     if splits is not None:
         monkeypatch.setenv(SPLITS_ENV, str(splits))
     case = make_case(tokens, hidden, layers, n_kv, head_dim, "cuda", bias=True,
@@ -216,8 +222,28 @@ def test_split_k(case_args, monkeypatch):
     _check(case, rounds=3)
 
 
+@pytest.mark.parametrize(("tokens", "splits"), [(1, 8), (16, 5), (40, 3)])
+def test_hand_overs_agree_bitwise(tokens, splits, monkeypatch):
+    """Both hand-overs sum the same partials in the same order: identical bytes."""
+    monkeypatch.setenv(IMPL_ENV, "mma")
+    monkeypatch.setenv(TILE_ENV, "swap16")
+    monkeypatch.setenv(SPLITS_ENV, str(splits))
+    case = make_case(tokens, 2048, 2, 1, 128, "cuda", bias=True, seed=tokens)
+    results = []
+    for handover in ("cluster", "workspace"):
+        monkeypatch.setenv(HANDOVER_ENV, handover)
+        case.poison()
+        stacked_kv_proj(*case.args())
+        torch.cuda.synchronize()
+        results.append([b.clone() for b in (*case.k_backings, *case.v_backings)])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
 SCHEDULES = {"dp": {SCHEDULE_ENV: "dp"}, "streamk": {SCHEDULE_ENV: "streamk"},
-             "splitk": {IMPL_ENV: "mma", TILE_ENV: "swap16", SPLITS_ENV: "7"}}
+             "splitk": {IMPL_ENV: "mma", TILE_ENV: "swap16", SPLITS_ENV: "7",
+                        HANDOVER_ENV: "workspace"},
+             "splitk-cluster": {IMPL_ENV: "mma", TILE_ENV: "swap16", SPLITS_ENV: "7",
+                                HANDOVER_ENV: "cluster"}}
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
@@ -257,6 +283,23 @@ def test_cuda_graph_replay_with_mutated_inputs(tokens, schedule, impl, monkeypat
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         stacked_kv_proj(*case.args())
     case.commit_lens.copy_(torch.randint_like(case.commit_lens, 0, 9))  # read on device
+    case.k_norm_weight.mul_(1.5)
+    _check(case, run=graph.replay, rounds=3)
+
+
+@pytest.mark.parametrize("handover", ["cluster", "workspace"])
+def test_cuda_graph_replay_of_a_decode_split(handover, monkeypatch):
+    """A TP-8 decode step (10 weight tiles split 8 ways) captured once and replayed with
+    mutated inputs: the workspace counters return to zero, the clusters need none."""
+    monkeypatch.setenv(HANDOVER_ENV, handover)
+    case = make_case(7, 4096, 5, 1, 128, "cuda", commit=True, bias=True, seed=22)
+    stacked_kv_proj(*case.args())  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        stacked_kv_proj(*case.args())
+    case.commit_lens.copy_(torch.randint_like(case.commit_lens, 0, 9))
     case.k_norm_weight.mul_(1.5)
     _check(case, run=graph.replay, rounds=3)
 

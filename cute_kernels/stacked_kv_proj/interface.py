@@ -43,6 +43,7 @@ from ..validation import (
 from .mma import StackedKvProjMma
 from .plan import (
     CTAS_ENV,
+    HANDOVER_ENV,
     IMPL_ENV,
     SCHEDULE_ENV,
     SPLITS_ENV,
@@ -59,8 +60,6 @@ from .plan import (
     variants_for,
 )
 from .wgmma import StackedKvProjWgmma
-
-CORES = {"mma": StackedKvProjMma, "wgmma": StackedKvProjWgmma}
 
 #: Byte alignment of each tensor argument: what the kernel is compiled to assume (the fake
 #: tensors of :func:`_build`) and what the validation checks, from this one table. Rows of
@@ -96,6 +95,9 @@ def _build(key: StackedKvProjKey):
     if variant.tile not in tiles_for(variant.impl):
         raise LayoutError(f"tile: expected one of {tiles_for(variant.impl)} for the {variant.impl} "
                           f"core, got {variant.tile}")
+    if variant.cluster and variant.impl != "mma":
+        raise LayoutError(f"cluster: expected the cluster hand-over on the mma core only, got "
+                          f"the {variant.impl} core")
     d = layout.head_dim
     n_total = layout.columns
     norm_dtype = du.DSL_DTYPES[NORM_DTYPES[layout.norm_dtype]]
@@ -121,8 +123,10 @@ def _build(key: StackedKvProjKey):
 
     k_caches = tuple(cache("k_caches") for _ in range(layout.num_layers))
     v_caches = tuple(cache("v_caches") for _ in range(layout.num_layers))
-    kernel = CORES[variant.impl](layout.num_layers, layout.n_kv, d, layout.has_bias,
-                              layout.has_commit, norm_dtype, TILES[variant.tile])
+    core_args = (layout.num_layers, layout.n_kv, d, layout.has_bias, layout.has_commit,
+                 norm_dtype, TILES[variant.tile])
+    kernel = (StackedKvProjMma(*core_args, variant.cluster) if variant.impl == "mma"
+              else StackedKvProjWgmma(*core_args))
     # the split-K / stream-K workspace and counters, then the wgmma core's grid and DP tiles,
     # or the mma core's K splits per tile
     schedule = (du.fake_row_major(Float32, (du.sym(),), align=WORKSPACE_ALIGN),
@@ -256,23 +260,31 @@ def _workspace(device: torch.device, index: int, floats: int,
     return held
 
 
-def _plan(layout: StackedLayout, ctx_hidden: torch.Tensor) -> StackedPlan:
+MMA_THREADS = 128  # threads of the mma core's CTA with the swapped tile (4 warps)
+
+
+def _plan(layout: StackedLayout, ctx_hidden: torch.Tensor) -> tuple[StackedPlan, bool]:
+    """The plan of a call, and whether it is final: made with the driver's resident counts,
+    which never change, rather than the formula :func:`max_active_clusters` falls back on
+    while it cannot query (then the call after plans again)."""
     device = ctx_hidden.device
+    index = device_index(device)
     resident = _resident_ctas(device) if layout.arch == "sm_90a" else sm_count(device)
-    return choose_plan(layout, ctx_hidden.shape[0], ctx_hidden.shape[1], resident)
+    final = layout.arch != "sm_90a" or queried_max_active_clusters(index, *_RESIDENT_QUERY)
+    asked: list[tuple] = []
 
+    def residency(size: int, per_sm: int) -> int:
+        asked.append((index, size, per_sm, MMA_THREADS))
+        return max_active_clusters(*asked[-1]) * size
 
-def _plan_is_final(layout: StackedLayout, device: torch.device) -> bool:
-    """Whether :func:`_plan` used the driver's resident count, which never changes (not the
-    formula :func:`max_active_clusters` falls back on while it cannot query)."""
-    return layout.arch != "sm_90a" or queried_max_active_clusters(device_index(device),
-                                                                 *_RESIDENT_QUERY)
+    plan = choose_plan(layout, ctx_hidden.shape[0], ctx_hidden.shape[1], resident, residency)
+    return plan, final and all(queried_max_active_clusters(*query) for query in asked)
 
 
 def plan_for_call(args: tuple) -> StackedPlan:
     """The plan a call of :func:`stacked_kv_proj` with these (positional, CUDA) arguments
     runs: what ``make perf`` reports next to each time."""
-    return _plan(stacked_kv_proj.validate(*args), args[0])
+    return _plan(stacked_kv_proj.validate(*args), args[0])[0]
 
 
 def _launch(layout: StackedLayout, args: tuple) -> Callable[[tuple], None]:
@@ -283,9 +295,9 @@ def _launch(layout: StackedLayout, args: tuple) -> Callable[[tuple], None]:
     ctx_hidden = args[0]
     if ctx_hidden.shape[0] == 0:
         return skip_launch
-    plan = _plan(layout, ctx_hidden)
-    if not _plan_is_final(layout, ctx_hidden.device):  # plan each call until the query works
-        return lambda args: _planned(layout, _plan(layout, args[0]), args)(args)
+    plan, final = _plan(layout, ctx_hidden)
+    if not final:  # plan each call until the driver's queries work
+        return lambda args: _planned(layout, _plan(layout, args[0])[0], args)(args)
     return _planned(layout, plan, args)
 
 
@@ -302,8 +314,8 @@ def _planned(layout: StackedLayout, plan: StackedPlan, args: tuple) -> Callable[
     if plan.variant.impl == "wgmma":  # two stream-K slots per CTA, a counter per tile
         workspace = (device_index(device), 2 * plan.grid * slot_floats, 2 * plan.grid)
         grid_args: tuple = (plan.grid, plan.dp_tiles)
-    else:  # a slot per CTA of a split tile, a counter per tile
-        split = plan.splits > 1
+    else:  # a slot per CTA of a tile split over the workspace, a counter per tile
+        split = plan.splits > 1 and not plan.variant.cluster
         workspace = (device_index(device), plan.grid * slot_floats if split else 4,
                      plan.dp_tiles if split else 1)
         grid_args = (plan.splits,)
@@ -321,7 +333,7 @@ def _planned(layout: StackedLayout, plan: StackedPlan, args: tuple) -> Callable[
 
 
 @cute_op("stacked_kv_proj", mutates_args=("k_caches", "v_caches"), prepare=_launch,
-         env=(IMPL_ENV, TILE_ENV, SCHEDULE_ENV, CTAS_ENV, SPLITS_ENV))
+         env=(IMPL_ENV, TILE_ENV, SCHEDULE_ENV, CTAS_ENV, SPLITS_ENV, HANDOVER_ENV))
 def stacked_kv_proj(
     ctx_hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Callable
 
 from ..layouts import STACKED_K_TILE
 from ..validation import fail
@@ -27,6 +28,10 @@ SCHEDULES = ("auto", "dp", "streamk")
 CTAS_ENV = "CUTE_KERNELS_STACKED_CTAS"
 #: K splits per tile of the mma core (default: see :func:`choose_splits`), to compare splits.
 SPLITS_ENV = "CUTE_KERNELS_STACKED_SPLITS"
+#: How split tiles of the mma core hand their partials over: ``auto`` (default, see
+#: :func:`swap_plan`), ``cluster`` (DSMEM, at most CLUSTER_MAX_SPLITS) or ``workspace``.
+HANDOVER_ENV = "CUTE_KERNELS_STACKED_HANDOVER"
+HANDOVERS = ("auto", "cluster", "workspace")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +71,14 @@ SWAP_MAX_TOKENS = 256
 #: splits of a 108 KiB ring; TP 1: 80 tiles unsplit; D = 256: 4 x 8 of 204 KiB); more CTAs
 #: only add partials to gather.
 SPLIT_IN_FLIGHT_BYTES = 8 << 20
+#: Most K splits of a tile that form one cluster and hand their partials over through
+#: distributed shared memory (the portable cluster size); more go through the workspace.
+CLUSTER_MAX_SPLITS = 8
+#: With more than one token tile, the cluster hand-over is planned only for at least this many
+#: splits on at most one CTA per SM (H200, T = 32: TP 8, 6 splits 12.3 against 13.1 us, D = 256
+#: 8 splits 12.5 against 17.7 for the workspace's 10; TP 4 at 3 splits 16.6 against 15.8, one
+#: layer at 4 splits 15.1 against 14.4; TP 8, T = 64, 6 splits on 240 CTAs 17.2 against 14.3).
+CLUSTER_MIN_SPLITS_MULTI_TILE = 5
 #: SMEM of a swapped tile's ring: two CTAs per SM when the ring still holds this many stages,
 #: else one CTA per SM with twice the budget (D = 256: 256 weight rows per stage).
 SWAP_MIN_STAGES = 4
@@ -104,6 +117,9 @@ class StackedVariant:
 
     impl: str  # "wgmma" (TMA + wgmma, sm_90a only) | "mma" (cp.async + mma.sync, every arch)
     tile: str  # a TILES name
+    # mma core, split K: the splits of a tile are one cluster and hand their partials over
+    # through distributed shared memory (else through the global workspace)
+    cluster: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,12 +218,25 @@ def forced_splits() -> int | None:
     return _positive_int_env(SPLITS_ENV)
 
 
+def forced_handover() -> str:
+    """``CUTE_KERNELS_STACKED_HANDOVER``, checked (with a forced split of at most
+    ``CLUSTER_MAX_SPLITS`` when it is ``cluster``)."""
+    wanted = os.environ.get(HANDOVER_ENV, "auto")
+    if wanted not in HANDOVERS:
+        fail(HANDOVER_ENV, f"one of {', '.join(HANDOVERS)}", repr(wanted))
+    if wanted == "cluster" and (forced_splits() or 1) > CLUSTER_MAX_SPLITS:
+        fail(SPLITS_ENV, f"at most {CLUSTER_MAX_SPLITS} with {HANDOVER_ENV}=cluster",
+             repr(os.environ[SPLITS_ENV]))
+    return wanted
+
+
 def check_overrides(arch: str) -> None:
     """Raise :class:`LayoutError` for an override the calls on ``arch`` would reject."""
     forced_tile(choose_impl(arch))
     forced_schedule()
     ctas_cap()
     forced_splits()
+    forced_handover()
 
 
 #: Most CTAs that share one stream-K tile: bounds the partials a reduction gathers into SMEM.
@@ -290,7 +319,8 @@ def gathered_partials(stages: int, bm: int, bn: int, rows: int) -> int:
 
 
 def choose_splits(weight_tiles: int, tiles: int, k_tiles: int, sms: int, per_sm: int,
-                  ring_bytes: int, gathered: int) -> int:
+                  ring_bytes: int, gathered: int,
+                  resident: Callable[[int], int] | None = None) -> int:
     """K splits per tile of a swapped plan of ``tiles`` tiles over ``weight_tiles`` weight
     tiles on ``sms`` SMs holding ``per_sm`` CTAs each (``CUTE_KERNELS_STACKED_SPLITS``
     overrides): enough CTAs that the rings of one token tile's CTAs (``ring_bytes`` each) hold
@@ -302,7 +332,10 @@ def choose_splits(weight_tiles: int, tiles: int, k_tiles: int, sms: int, per_sm:
     the split that keeps one CTA per SM is taken instead when the busiest SM's share of a
     tile's k-range, ``ceil(CTAs / sms) / splits``, is smaller with it (TP 8, T = 32: 4 splits
     on 80 CTAs 12.9 us, 8 splits on 160 CTAs 14.2; TP 2, T = 32: 2 splits on 160 CTAs 22.6,
-    1 on 80 26.0, the busiest share being the same)."""
+    1 on 80 26.0, the busiest share being the same).
+
+    ``resident(S)``, when given, is how many CTAs the GPU runs at once in clusters of ``S``
+    (a cluster cannot span GPCs): the split is lowered until its grid fits."""
     forced = forced_splits()
     if forced is None:
         wanted = round(SPLIT_IN_FLIGHT_BYTES / (weight_tiles * ring_bytes))
@@ -310,6 +343,8 @@ def choose_splits(weight_tiles: int, tiles: int, k_tiles: int, sms: int, per_sm:
         one_per_sm = sms // tiles
         if 1 <= one_per_sm < forced and forced < -(-tiles * forced // sms) * one_per_sm:
             forced = one_per_sm
+        while resident is not None and forced > 1 and tiles * forced > resident(forced):
+            forced -= 1
     return max(1, min(k_tiles, forced))
 
 
@@ -342,24 +377,69 @@ def wgmma_estimate_us(weight_bytes: int, cta_bytes: float, cta_flops: float) -> 
             + per_weight * weight_bytes / 1e6)
 
 
-def swap_plan(layout: StackedLayout, tokens: int, hidden: int,
-              ctas: int) -> tuple[StackedPlan, float]:
+#: CTAs resident at once in clusters of ``size`` at ``per_sm`` CTAs per SM (the driver's
+#: occupancy calculator, ``arch.max_active_clusters``); the plans take it as an argument.
+ClusterResidency = Callable[[int, int], int]
+
+
+def formula_residency(sms: int) -> ClusterResidency:
+    """What :data:`ClusterResidency` would be if clusters could span GPCs: an upper bound."""
+    return lambda size, per_sm: sms * per_sm // size * size
+
+
+def split_plan(layout: StackedLayout, tile: str, tokens: int, hidden: int, ctas: int,
+               residency: ClusterResidency, handover: str) -> StackedPlan:
+    """The mma core's plan of ``tile`` with its split and hand-over. ``handover`` ``cluster``
+    or ``workspace`` forces one; ``auto`` takes the cluster one on a swapped tile with one
+    token tile (T <= 16: faster in every measured layout, the workspace hand-over costing
+    2.0-3.9 us of the TP 2..8 decode plans and the cluster one 0.5-1), or with at least
+    ``CLUSTER_MIN_SPLITS_MULTI_TILE`` splits on at most one CTA per SM; its split is at most
+    ``CLUSTER_MAX_SPLITS`` and lowered until all clusters are resident at once
+    (``residency``)."""
+    config = TILES[tile]
+    bn = tile_n(layout.head_dim, layout.kv, config.wide)
+    weight_tiles = layout.columns // bn
+    tiles = tile_count(tokens, layout, config)
+    k_tiles = hidden // STACKED_K_TILE
+    if not config.swap:  # a data-parallel tile: split only when forced
+        splits = min(forced_splits() or 1, k_tiles)
+        cluster = handover == "cluster" and splits > 1
+        return StackedPlan(StackedVariant("mma", tile, cluster), False, tiles * splits, tiles,
+                           splits)
+    stages, per_sm = swap_ring(config, bn)
+
+    def splits_for(cluster: bool) -> int:
+        if cluster:
+            return choose_splits(weight_tiles, tiles, k_tiles, ctas, per_sm,
+                                 ring_bytes(stages, config.bm, bn), CLUSTER_MAX_SPLITS,
+                                 lambda size: residency(size, per_sm))
+        return choose_splits(weight_tiles, tiles, k_tiles, ctas, per_sm,
+                             ring_bytes(stages, config.bm, bn),
+                             gathered_partials(stages, config.bm, bn, min(tokens, config.bm)))
+
+    cluster = handover == "cluster"
+    if handover == "auto":
+        splits = splits_for(True)
+        cluster = tiles == weight_tiles or (splits >= CLUSTER_MIN_SPLITS_MULTI_TILE
+                                            and tiles * splits <= ctas)
+    splits = splits_for(cluster)
+    return StackedPlan(StackedVariant("mma", tile, cluster and splits > 1), False,
+                       tiles * splits, tiles, splits)
+
+
+def swap_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
+              residency: ClusterResidency) -> tuple[StackedPlan, float]:
     """The split swapped plan of a call and its estimated time: infinite when its tiles do not
     all fit on the GPU at once (a second wave of weight streams measured 1.5-2.2x slower than
     the wgmma core at TP 1, T = 64 and 128)."""
-    config = TILE_SWAP
+    plan = split_plan(layout, TILE_SWAP.name, tokens, hidden, ctas, residency, forced_handover())
     bn = tile_n(layout.head_dim, layout.kv)
-    stages, per_sm = swap_ring(config, bn)
-    weight_tiles = layout.columns // bn
-    tiles = tile_count(tokens, layout, config)
-    splits = choose_splits(weight_tiles, tiles, hidden // STACKED_K_TILE, ctas, per_sm,
-                           ring_bytes(stages, config.bm, bn),
-                           gathered_partials(stages, config.bm, bn, min(tokens, config.bm)))
+    per_sm = swap_ring(TILE_SWAP, bn)[1]
     estimate_us = math.inf
-    if tiles <= ctas * per_sm:
-        estimate_us = swap_estimate_us(layout.weight_bytes(hidden), bn * hidden * 2 / splits,
-                                       tiles // weight_tiles, ctas)
-    plan = StackedPlan(StackedVariant("mma", config.name), False, tiles * splits, tiles, splits)
+    if plan.dp_tiles <= ctas * per_sm:
+        estimate_us = swap_estimate_us(layout.weight_bytes(hidden),
+                                       bn * hidden * 2 / plan.splits,
+                                       plan.dp_tiles // (layout.columns // bn), ctas)
     return plan, estimate_us
 
 
@@ -373,9 +453,11 @@ def wgmma_dp_estimate_us(layout: StackedLayout, tokens: int, hidden: int, ctas: 
                              waves * 2 * config.bm * bn * hidden)
 
 
-def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int) -> StackedPlan:
+def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
+                residency: ClusterResidency | None = None) -> StackedPlan:
     """The plan of a call of ``tokens`` rows and hidden size ``hidden`` on a GPU that holds
-    ``ctas`` CTAs of the wgmma core at once (one per SM).
+    ``ctas`` CTAs of the wgmma core at once (one per SM) and ``residency`` CTAs of the mma
+    core in clusters (default: :func:`formula_residency`).
 
     Up to ``SWAP_MAX_TOKENS``, the split swapped tile when all its CTAs fit at once and, where
     the wgmma core exists, its estimated time is below the wgmma core's (the cost model
@@ -384,13 +466,15 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int) -> S
     CTAS,SPLITS}``; any but the split one leaves the swapped tile out unless it names it. The
     mma core has no stream-K schedule: one CTA per tile, or per k-range of a split tile."""
     impl = choose_impl(layout.arch)
+    if residency is None:
+        residency = formula_residency(ctas)
     cap = ctas_cap()
     ctas = ctas if cap is None else min(ctas, cap)
     overridden = any(os.environ.get(name, "auto") != "auto"
                      for name in (IMPL_ENV, TILE_ENV, SCHEDULE_ENV))
     tile = choose_tile(tokens, impl, layout.num_layers, layout.n_kv, layout.head_dim, ctas)
     if not overridden and tokens <= SWAP_MAX_TOKENS:
-        plan, estimate_us = swap_plan(layout, tokens, hidden, ctas)
+        plan, estimate_us = swap_plan(layout, tokens, hidden, ctas, residency)
         # no other core to weigh it against on an arch without wgmma: taken when it fits
         other_us = (wgmma_dp_estimate_us(layout, tokens, hidden, ctas, tile)
                     if impl == "wgmma" else math.inf)
@@ -399,10 +483,7 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int) -> S
     config = TILES[tile]
     tiles = tile_count(tokens, layout, config)
     if impl == "mma":
-        if config.swap:
-            return swap_plan(layout, tokens, hidden, ctas)[0]
-        splits = min(forced_splits() or 1, hidden // STACKED_K_TILE)
-        return StackedPlan(StackedVariant(impl, tile), False, tiles * splits, tiles, splits)
+        return split_plan(layout, tile, tokens, hidden, ctas, residency, forced_handover())
     wanted = forced_schedule()
     tile_bytes = layout.weight_bytes(hidden) // tiles
     stream_k = wanted == "streamk" or (
@@ -418,5 +499,6 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int) -> S
 def variants_for(arch: str) -> list[StackedVariant]:
     """Every variant a layout can need on ``arch`` (what :func:`cute_kernels.precompile`
     builds)."""
-    return [StackedVariant(impl, tile) for impl in impls_for(arch) for tile in tiles_for(impl)]
+    return [StackedVariant(impl, tile) for impl in impls_for(arch) for tile in tiles_for(impl)] + [
+        StackedVariant("mma", tile, True) for tile in SWAP_TILES]
 
