@@ -404,6 +404,22 @@ def test_a_fallback_resident_count_is_not_remembered(name, monkeypatch):
         assert (first.args[-2], second.args[-2], third.args[-2]) == (132, 100, 100)
 
 
+def test_a_cluster_split_is_planned_from_the_drivers_cluster_count(monkeypatch):
+    """A TP-8 decode step splits its 10 weight tiles 8 ways in clusters; where the driver
+    holds fewer clusters of 8 than that, the split is lowered until they all fit. While the
+    driver cannot be asked, the formula plans, and the next call plans again."""
+    args = stacked_kv_proj_case(1, hidden=4096, num_layers=5, n_kv=1).args()
+    with cpu_launches(resident={(8, 2, 128): 9, (7, 2, 128): 11}) as launches:
+        monkeypatch.setattr("torch.cuda.is_current_stream_capturing", lambda: True)
+        cute_kernels.stacked_kv_proj(*args)
+        monkeypatch.setattr("torch.cuda.is_current_stream_capturing", lambda: False)
+        cute_kernels.stacked_kv_proj(*args)
+        cute_kernels.stacked_kv_proj(*args)
+    assert all(launch.key.variant.cluster for launch in launches)
+    # 10 x 8 = 80 CTAs > 9 clusters of 8; 10 x 7 = 70 <= 11 clusters of 7
+    assert [launch.args[-1] for launch in launches] == [8, 7, 7]
+
+
 def test_the_environment_is_read_as_os_environ_has_it(monkeypatch):
     read = ops._env_reader(("CUTE_KERNELS_TEST_A", "CUTE_KERNELS_TEST_B"))
     one = ops._env_reader(("CUTE_KERNELS_TEST_A",))

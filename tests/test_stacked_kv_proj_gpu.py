@@ -269,13 +269,8 @@ def test_all_rows_skipped():
     _check(case, rounds=1)
 
 
-@pytest.mark.parametrize("schedule", ["dp", "streamk"])
-@pytest.mark.parametrize("tokens", [7, 257])
-def test_cuda_graph_replay_with_mutated_inputs(tokens, schedule, impl, monkeypatch):
-    """Replays of one captured call (stream-K and split K: their counters return to zero
-    each time; the mma core at T = 7 is split K)."""
-    monkeypatch.setenv(SCHEDULE_ENV, schedule)
-    case = make_case(tokens, 2560, 5, 8, 128, "cuda", commit=True, bias=True, seed=21)
+def _check_graph_replay(case) -> None:
+    """Capture one call, mutate inputs the kernel reads on the device, check the replays."""
     stacked_kv_proj(*case.args())  # compile before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -287,21 +282,22 @@ def test_cuda_graph_replay_with_mutated_inputs(tokens, schedule, impl, monkeypat
     _check(case, run=graph.replay, rounds=3)
 
 
+@pytest.mark.parametrize("schedule", ["dp", "streamk"])
+@pytest.mark.parametrize("tokens", [7, 257])
+def test_cuda_graph_replay_with_mutated_inputs(tokens, schedule, impl, monkeypatch):
+    """Replays of one captured call (stream-K: its counters return to zero each time)."""
+    monkeypatch.setenv(SCHEDULE_ENV, schedule)
+    _check_graph_replay(make_case(tokens, 2560, 5, 8, 128, "cuda", commit=True, bias=True,
+                                  seed=21))
+
+
 @pytest.mark.parametrize("handover", ["cluster", "workspace"])
 def test_cuda_graph_replay_of_a_decode_split(handover, monkeypatch):
     """A TP-8 decode step (10 weight tiles split 8 ways) captured once and replayed with
     mutated inputs: the workspace counters return to zero, the clusters need none."""
     monkeypatch.setenv(HANDOVER_ENV, handover)
-    case = make_case(7, 4096, 5, 1, 128, "cuda", commit=True, bias=True, seed=22)
-    stacked_kv_proj(*case.args())  # compile before capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        stacked_kv_proj(*case.args())
-    case.commit_lens.copy_(torch.randint_like(case.commit_lens, 0, 9))
-    case.k_norm_weight.mul_(1.5)
-    _check(case, run=graph.replay, rounds=3)
+    _check_graph_replay(make_case(7, 4096, 5, 1, 128, "cuda", commit=True, bias=True,
+                                  seed=22))
 
 
 def test_torch_compile_fullgraph():
