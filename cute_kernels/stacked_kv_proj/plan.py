@@ -392,7 +392,7 @@ def split_plan(layout: StackedLayout, tile: str, tokens: int, hidden: int, ctas:
     """The mma core's plan of ``tile`` with its split and hand-over. ``handover`` ``cluster``
     or ``workspace`` forces one; ``auto`` takes the cluster one on a swapped tile with one
     token tile (T <= 16: faster in every measured layout, the workspace hand-over costing
-    2.0-3.9 us of the TP 2..8 decode plans and the cluster one 0.5-1), or with at least
+    1.7-3.9 us of the TP 2..8 decode plans, the cluster one 0.1-1.9), or with at least
     ``CLUSTER_MIN_SPLITS_MULTI_TILE`` splits on at most one CTA per SM; its split is at most
     ``CLUSTER_MAX_SPLITS`` and lowered until all clusters are resident at once
     (``residency``)."""
