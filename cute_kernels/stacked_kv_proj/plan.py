@@ -417,12 +417,15 @@ def split_plan(layout: StackedLayout, tile: str, tokens: int, hidden: int, ctas:
                              ring_bytes(stages, config.bm, bn),
                              gathered_partials(stages, config.bm, bn, min(tokens, config.bm)))
 
-    cluster = handover == "cluster"
     if handover == "auto":
         splits = splits_for(True)
         cluster = tiles == weight_tiles or (splits >= CLUSTER_MIN_SPLITS_MULTI_TILE
                                             and tiles * splits <= ctas)
-    splits = splits_for(cluster)
+        if not cluster:
+            splits = splits_for(False)
+    else:
+        cluster = handover == "cluster"
+        splits = splits_for(cluster)
     return StackedPlan(StackedVariant("mma", tile, cluster and splits > 1), False,
                        tiles * splits, tiles, splits)
 
