@@ -260,7 +260,8 @@ def _workspace(device: torch.device, index: int, floats: int,
     return held
 
 
-MMA_THREADS = 128  # threads of the mma core's CTA with the swapped tile (4 warps)
+#: threads of the mma core's swapped CTA, whose clusters the plan asks the driver about
+SWAP_THREADS = 32 * StackedKvProjMma.SWAP_WARPS[0] * StackedKvProjMma.SWAP_WARPS[1]
 
 
 def _plan(layout: StackedLayout, ctx_hidden: torch.Tensor) -> tuple[StackedPlan, bool]:
@@ -274,7 +275,7 @@ def _plan(layout: StackedLayout, ctx_hidden: torch.Tensor) -> tuple[StackedPlan,
     asked: list[tuple] = []
 
     def residency(size: int, per_sm: int) -> int:
-        asked.append((index, size, per_sm, MMA_THREADS))
+        asked.append((index, size, per_sm, SWAP_THREADS))
         return max_active_clusters(*asked[-1]) * size
 
     plan = choose_plan(layout, ctx_hidden.shape[0], ctx_hidden.shape[1], resident, residency)

@@ -46,13 +46,16 @@ class StackedKvProjMma(StackedKvProjBase):
     Either way the sum is in split order ``((p0 + p1) + p2) + ...``: a fixed order, so the
     result is bitwise the same run to run, and the same for both hand-overs."""
 
+    #: warps of a swapped tile's CTA along the MMA's (M, N): 32 weight rows each, all tokens
+    SWAP_WARPS = (4, 1)
+
     def __init__(self, num_layers: int, n_kv: int, head_dim: int, has_bias: bool,
                  has_commit: bool, norm_dtype: type, tile: TileConfig, cluster: bool) -> None:
         assert not tile.wide, "the mma core has no wide tile"
         self.swap = tile.swap
         self.cluster = cluster  # split partials handed over through DSMEM (else the workspace)
         # warps along the MMA's (M, N): weight rows x tokens when swapped
-        self.warps_m, self.warps_n = (4, 1) if tile.swap else (2, tile.bm // 32)
+        self.warps_m, self.warps_n = self.SWAP_WARPS if tile.swap else (2, tile.bm // 32)
         super().__init__(num_layers, n_kv, head_dim, has_bias, has_commit, norm_dtype, tile,
                          32 * self.warps_m * self.warps_n)
         if tile.swap:

@@ -29,7 +29,7 @@ CTAS_ENV = "CUTE_KERNELS_STACKED_CTAS"
 #: K splits per tile of the mma core (default: see :func:`choose_splits`), to compare splits.
 SPLITS_ENV = "CUTE_KERNELS_STACKED_SPLITS"
 #: How split tiles of the mma core hand their partials over: ``auto`` (default, see
-#: :func:`swap_plan`), ``cluster`` (DSMEM, at most CLUSTER_MAX_SPLITS) or ``workspace``.
+#: :func:`split_plan`), ``cluster`` (DSMEM, at most CLUSTER_MAX_SPLITS) or ``workspace``.
 HANDOVER_ENV = "CUTE_KERNELS_STACKED_HANDOVER"
 HANDOVERS = ("auto", "cluster", "workspace")
 
