@@ -488,10 +488,13 @@ def cpu_launches(arch: str = "sm_90a", sms: int = 132,
     def query(index: int, cluster: int, ctas_per_sm: int, threads: int, sms: int) -> int:
         return table.get((cluster, ctas_per_sm, threads), ctas_per_sm * sms // cluster)
 
-    def recorder(family: str):
+    def recorder(family: Any):
         def compiled_for(key: Any):
+            alignments = _compiled_alignments(family, key)
+
             def launch(*args: Any) -> None:
-                launches.append(Launch(family, key, args))
+                _refuse_misaligned(alignments, args)
+                launches.append(Launch(family.family, key, args))
 
             def nothing(*args: Any) -> None:
                 return None
@@ -519,10 +522,36 @@ def cpu_launches(arch: str = "sm_90a", sms: int = 132,
         for family in compile_cache.families().values():
             stack.enter_context(mock.patch.object(family, "_compiled", {}))
             stack.enter_context(mock.patch.object(family, "_load_or_compile",
-                                                  recorder(family.family)))
+                                                  recorder(family)))
         stack.callback(forget)
         forget()
         yield launches
+
+
+def _compiled_alignments(family: Any, key: Any) -> tuple:
+    """The byte alignment the compiled function of ``key`` assumes of each argument (None for
+    a non-tensor; a tuple for a tuple of tensors), read from the fake arguments of its build
+    (nothing is compiled)."""
+    from . import dsl_utils
+
+    def alignment(fake: Any) -> Any:
+        if isinstance(fake, tuple):
+            return tuple(map(alignment, fake))
+        return getattr(fake, "_assumed_align", None)
+
+    with mock.patch.object(dsl_utils, "compile_tvm_ffi", lambda launcher, *fakes, arch: fakes):
+        return tuple(map(alignment, family._build(key)))
+
+
+def _refuse_misaligned(alignments: tuple, args: tuple) -> None:
+    """What the compiled function does before it launches: refuse a tensor whose address is
+    not aligned as its compile assumed (TVM-FFI raises ValueError, naming no argument)."""
+    # the stream, the build's last argument, is not passed
+    for align, arg in zip(alignments, args, strict=False):
+        if isinstance(align, tuple):
+            _refuse_misaligned(align, tuple(arg))
+        elif align is not None and isinstance(arg, torch.Tensor) and arg.data_ptr() % align:
+            raise ValueError(f"Misaligned Tensor data, expected data alignment={align} bytes")
 
 
 def ops_with_layouts() -> list:

@@ -281,6 +281,33 @@ def test_in_place_metadata_changes_after_acceptance(name, mutation):
                 assert t.data_ptr() in _addresses(launch.args), place
 
 
+def test_a_refused_launch_of_a_recent_layout(monkeypatch):
+    """A recent layout is matched without its addresses: a misaligned tensor is refused by the
+    compiled function (TVM-FFI's ValueError), and the op raises the validation's LayoutError
+    instead; a launch that fails for another reason on a valid layout re-raises its error."""
+    from cute_kernels import testing
+
+    op = cute_kernels.stacked_kv_proj
+    args = CASES["stacked_kv_proj"]()
+    with cpu_launches() as launches:
+        op(*args)
+        bad = list(args)
+        bad[8] = [*args[8][:-1], _offset(args[8][-1])]  # the last K cache, misaligned
+        with pytest.raises(LayoutError, match=r"k_caches\[1\]: expected a data pointer aligned"):
+            op(*bad)
+        assert len(launches) == 1  # refused before the launch
+
+        def failing(alignments: tuple, values: tuple) -> None:
+            raise RuntimeError("CUDA error: an illegal instruction was encountered")
+
+        monkeypatch.setattr(testing, "_refuse_misaligned", failing)
+        with pytest.raises(RuntimeError, match="illegal instruction"):
+            op(*args)
+        monkeypatch.undo()
+        op(*args)
+        assert len(launches) == 2
+
+
 def _addresses(values: tuple) -> set[int]:
     out = set()
     for v in values:
@@ -322,8 +349,9 @@ def test_the_op_and_check_agree_with_a_fresh_validation(name):
 
 
 def test_a_launch_matches_the_layout():
-    """What each op hands the compiled function: the kv cache as bytes (the current tensor's),
-    a 1-D scale, the C128 grid and the stacked plan's schedule, on every call."""
+    """What each op hands the compiled function: the caller's cache tensor itself (the kernel
+    views it as bytes), a 1-D scale, the C128 grid and the stacked plan's schedule, on every
+    call."""
     with cpu_launches(resident={(8, 2, 256): 30}) as launches:
         case = kv_rope_insert_case("fp8", 8, 16, "cpu")
         scale = torch.tensor([[0.5]])
@@ -332,8 +360,7 @@ def test_a_launch_matches_the_layout():
         assert len(launches) == 3
         for launch in launches:
             cache, got_scale = launch.args[4], launch.args[5]
-            assert cache.dtype == torch.uint8 and cache.data_ptr() == case.k_cache.data_ptr()
-            assert cache.shape == (*case.k_cache.shape[:2], case.k_cache.shape[2])
+            assert cache is case.k_cache and cache.dtype == torch.float8_e4m3fn
             assert got_scale.shape == (1,) and got_scale.data_ptr() == scale.data_ptr()
 
         del launches[:]
@@ -341,7 +368,7 @@ def test_a_launch_matches_the_layout():
         for _ in range(2):
             cute_kernels.compress_c128(*case.args())
         assert [launch.args[-1] for launch in launches] == [30, 30]
-        assert all(launch.args[8].dtype == torch.uint8 for launch in launches)
+        assert all(launch.args[8] is case.k_cache for launch in launches)
 
         del launches[:]
         from cute_kernels.stacked_kv_proj.interface import plan_for_call
