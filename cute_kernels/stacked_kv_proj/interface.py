@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
+import tvm_ffi
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from .. import dsl_utils as du
@@ -243,11 +244,11 @@ def _current_stream(index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
-def _workspace(device: torch.device, index: int, floats: int,
+def _workspace(device: torch.device, index: int, stream: int, floats: int,
                counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The buffers of the current stream of CUDA ``device`` (of index ``index``), at least
-    ``floats`` fp32 slots and ``counters`` int32 counters."""
-    key = (index, _current_stream(index))
+    """The buffers of ``stream`` on CUDA ``device`` (of index ``index``), at least ``floats``
+    fp32 slots and ``counters`` int32 counters."""
+    key = (index, stream)
     held = _workspaces.get(key)
     if held is None or held[0].numel() < floats or held[1].numel() < counters:
         if held is not None:
@@ -312,23 +313,30 @@ def _planned(layout: StackedLayout, plan: StackedPlan, args: tuple) -> Callable[
     # (device index, fp32 slots, counters) of the hand-over buffers, and the schedule
     tile = TILES[plan.variant.tile]
     slot_floats = tile.bm * tile_n(layout.head_dim, layout.kv, tile.wide)
+    index = device_index(device)
     if plan.variant.impl == "wgmma":  # two stream-K slots per CTA, a counter per tile
-        workspace = (device_index(device), 2 * plan.grid * slot_floats, 2 * plan.grid)
+        workspace = (2 * plan.grid * slot_floats, 2 * plan.grid)
         grid_args: tuple = (plan.grid, plan.dp_tiles)
     else:  # a slot per CTA of a tile split over the workspace, a counter per tile
         split = plan.splits > 1 and not plan.variant.cluster
-        workspace = (device_index(device), plan.grid * slot_floats if split else 4,
-                     plan.dp_tiles if split else 1)
+        workspace = (plan.grid * slot_floats if split else 4, plan.dp_tiles if split else 1)
         grid_args = (plan.splits,)
+    # The schedule of the stream this layout last launched on: that stream's hand-over
+    # buffers, converted to TVM-FFI tensors once (they are ours, their metadata never
+    # changes; a converted tensor keeps its buffer alive, so a schedule stays valid after
+    # another layout outgrows the stream's buffers), then the grid arguments.
+    last: list = [None, ()]
 
     def launch(args: tuple) -> None:
         (ctx_hidden, weight, bias, k_norm_weight, eps, positions, cos_sin_cache, cache_loc,
          k_caches, v_caches, cache_loc_2d, commit_lens) = args
-        # the hand-over buffers belong to the current stream: looked up per call
-        schedule = (*_workspace(device, *workspace), *grid_args)
+        stream = _current_stream(index)  # the hand-over buffers belong to the current stream
+        if stream != last[0]:
+            buffers = _workspace(device, index, stream, *workspace)
+            last[:] = stream, (*map(tvm_ffi.from_dlpack, buffers), *grid_args)
         fn(ctx_hidden, weight, bias, k_norm_weight, float(eps), positions, cos_sin_cache,
            cache_loc_2d.reshape(-1) if flat else cache_loc, commit_lens, width,
-           tuple(k_caches), tuple(v_caches), *schedule)
+           tuple(k_caches), tuple(v_caches), *last[1])
 
     return launch
 
