@@ -117,8 +117,8 @@ class CompressC128:
         stream: cuda.CUstream,
     ) -> None:
         self.kernel(
-            mState, mBlockTable, mTokenReq, mPos, mSlot, mNormW, eps, mCosSin, mCache, mKvSlot,
-            mScale, num_clusters,
+            mState, mBlockTable, mTokenReq, mPos, mSlot, mNormW, eps, mCosSin,
+            du.byte_view(mCache), mKvSlot, mScale, num_clusters,
         ).launch(
             grid=[num_clusters * self.CLUSTER, 1, 1],
             block=[32 * self.WARPS, 1, 1],
@@ -464,10 +464,8 @@ def _build(key: CompressC128Key):
     norm_w = du.fake_row_major(du.DSL_DTYPES[NORM_DTYPES[key.norm_dtype]], (HEAD_DIM,),
                                align=ALIGN["norm_weight"])
     cos_sin = du.fake_row_major(Float32, (du.sym(), ROPE_DIM), align=ALIGN["cos_sin_cache"])
-    cache = du.fake_tensor(
-        Uint8, (du.sym(), du.sym(), fmt.row_bytes), (du.sym_stride(4), du.sym_stride(4), 1),
-        align=ALIGN["k_cache"],
-    )
+    cache = du.fake_paged_cache(fmt.dtype, fmt.record_width, ALIGN["k_cache"], ALIGN["k_cache"],
+                                align=ALIGN["k_cache"])
     kv_slots = du.fake_row_major(Int64, (tokens,), align=ALIGN["kv_slot_mapping"])
     scale = None
     if fmt is CacheFormat.FP8:
@@ -510,8 +508,8 @@ def _grid_is_final(device: torch.device) -> bool:
 
 def _launch(key: CompressC128Key, args: tuple) -> Callable[[tuple], None]:
     """The launch of every call of the layout of ``args`` (see ``ops.cute_op``): the compiled
-    function and the grid (T is part of the layout) are found once; a byte view of a bf16/fp8
-    cache, and a 1-D view of a scale of another shape, are made per call."""
+    function and the grid (T is part of the layout) are found once; a 1-D view of a scale of
+    another shape is made per call (the cache goes as it is: the kernel views it as bytes)."""
     state_cache, _, _, positions, _, _, _, _, k_cache, _, _, fp8_scale = args
     num_tokens = positions.shape[0]
     if num_tokens == 0:
@@ -520,7 +518,6 @@ def _launch(key: CompressC128Key, args: tuple) -> Callable[[tuple], None]:
     device = state_cache.device
     grid = _grid_clusters(device, num_tokens)
     final = _grid_is_final(device)
-    view = k_cache.dtype != torch.uint8
     fp8 = key.cache_format is CacheFormat.FP8
     flat = fp8 and fp8_scale.shape != (1,)
 
@@ -530,8 +527,8 @@ def _launch(key: CompressC128Key, args: tuple) -> Callable[[tuple], None]:
         scale = (fp8_scale.reshape(1) if flat else fp8_scale) if fp8 else None
         fn(
             state_cache, block_table, token_to_req, positions, slot_mapping, norm_weight,
-            float(eps), cos_sin_cache, k_cache.view(torch.uint8) if view else k_cache,
-            kv_slot_mapping, scale, grid if final else _grid_clusters(device, num_tokens),
+            float(eps), cos_sin_cache, k_cache, kv_slot_mapping, scale,
+            grid if final else _grid_clusters(device, num_tokens),
         )
 
     return launch

@@ -27,7 +27,7 @@ from cutlass._mlir.dialects import llvm  # noqa: E402
 
 #: The DSL type of each torch dtype a kernel argument can have.
 DSL_DTYPES = {torch.bfloat16: BFloat16, torch.float32: Float32, torch.int32: Int32,
-              torch.int64: Int64, torch.uint8: Uint8}
+              torch.int64: Int64, torch.uint8: Uint8, torch.float8_e4m3fn: cutlass.Float8E4M3FN}
 
 # -- compiling ---------------------------------------------------------------------------------
 
@@ -51,6 +51,32 @@ def fake_row_major(dtype: Any, shape: tuple, align: int) -> Any:
     return cute.runtime.make_fake_compact_tensor(
         dtype, shape, stride_order=order, assumed_align=align
     )
+
+
+def fake_paged_cache(dtype: torch.dtype, width: int, page_stride_bytes: int,
+                     row_stride_bytes: int, align: int) -> Any:
+    """A paged cache ``[pages, block, width]`` of ``dtype`` as the caller holds it (not a byte
+    view made per call: ``Tensor.view(dtype)`` costs ~1 us of host time), its page and row
+    strides multiples of the given bytes; :func:`byte_view` is how a kernel addresses it."""
+    elem = dtype.itemsize
+    return fake_tensor(
+        DSL_DTYPES[dtype], (sym(), sym(), width),
+        (sym_stride(max(1, page_stride_bytes // elem)),
+         sym_stride(max(1, row_stride_bytes // elem)), 1),
+        align=align,
+    )
+
+
+@cute.jit
+def byte_view(mCache: cute.Tensor) -> cute.Tensor:
+    """A rank-3 tensor with unit inner stride seen as bytes: the same address, strides and
+    inner extent scaled by the element size."""
+    elem = mCache.element_type.width // 8
+    layout = cute.make_layout(
+        (mCache.shape[0], mCache.shape[1], mCache.shape[2] * elem),
+        stride=(mCache.stride[0] * elem, mCache.stride[1] * elem, 1),
+    )
+    return cute.make_tensor(cute.recast_ptr(mCache.iterator, dtype=Uint8), layout)
 
 
 def cp_async_atom(dtype: Any) -> cute.CopyAtom:

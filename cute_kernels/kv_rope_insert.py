@@ -110,7 +110,7 @@ class KvRopeInsert:
     ) -> None:
         """``grid_ctas``: min(slots / WARPS_PER_CTA rounded up, SMs x CTAS_PER_SM), from the
         host: every CTA resident at once, and no warp without a slot."""
-        self.kernel(mKV, mSlot, mPos, mCosSin, mCache, mScale).launch(
+        self.kernel(mKV, mSlot, mPos, mCosSin, du.byte_view(mCache), mScale).launch(
             grid=[grid_ctas, 1, 1],
             block=[32 * self.WARPS_PER_CTA, 1, 1],
             stream=stream,
@@ -398,14 +398,9 @@ def _build(key: KvRopeInsertKey):
     slots = du.fake_row_major(Int64, (du.sym(),), align=ALIGN["slot_mapping"])
     positions = du.fake_row_major(Int64, (tokens,), align=ALIGN["positions"])
     cos_sin = du.fake_row_major(Float32, (du.sym(), ROPE_DIM), align=ALIGN["cos_sin_cache"])
-    # The kernel sees every cache as bytes (bf16/fp8 caches are viewed as uint8 by the launch).
-    row_stride = du.sym_stride() if fmt.packed else du.sym_stride(VECTOR_BYTES)
-    cache = du.fake_tensor(
-        Uint8,
-        (du.sym(), du.sym(), fmt.row_bytes),
-        (du.sym_stride(VECTOR_BYTES), row_stride, 1),
-        align=ALIGN["k_cache"],
-    )
+    # the cache in its own dtype; the kernel sees it as bytes (du.byte_view)
+    cache = du.fake_paged_cache(fmt.dtype, fmt.record_width, VECTOR_BYTES,
+                                1 if fmt.packed else VECTOR_BYTES, align=ALIGN["k_cache"])
     scale = None
     if fmt is CacheFormat.FP8:
         scale = du.fake_row_major(Float32, (1,), align=ALIGN["fp8_scale"])
@@ -424,8 +419,8 @@ KERNELS = KernelCache("kv_rope_insert", _build, _variants)
 
 def _launch(key: KvRopeInsertKey, args: tuple) -> Callable[[tuple], None]:
     """The launch of every call of the layout of ``args`` (see ``ops.cute_op``): the compiled
-    function is looked up once; a byte view of a bf16/fp8 cache, and a 1-D view of a scale of
-    another shape, are made per call."""
+    function is looked up once; a 1-D view of a scale of another shape is made per call (the
+    cache goes as it is: the kernel views it as bytes)."""
     kv, k_cache, slot_mapping, _, _, _, fp8_scale, _ = args
     if slot_mapping.shape[0] == 0:
         return skip_launch
@@ -433,15 +428,13 @@ def _launch(key: KvRopeInsertKey, args: tuple) -> Callable[[tuple], None]:
     # every CTA resident at once, and no warp without a slot (KvRopeInsert.__call__)
     one_slot_per_warp = -(-slot_mapping.shape[0] // KvRopeInsert.WARPS_PER_CTA)
     grid_ctas = min(one_slot_per_warp, sm_count(kv.device) * KvRopeInsert.CTAS_PER_SM)
-    view = k_cache.dtype != torch.uint8
     fp8 = key.cache_format is CacheFormat.FP8
     flat = fp8 and fp8_scale.shape != (1,)
 
     def launch(args: tuple) -> None:
         kv, k_cache, slot_mapping, positions, cos_sin_cache, _, fp8_scale, _ = args
         scale = (fp8_scale.reshape(1) if flat else fp8_scale) if fp8 else None
-        fn(kv, slot_mapping, positions, cos_sin_cache,
-           k_cache.view(torch.uint8) if view else k_cache, scale, grid_ctas)
+        fn(kv, slot_mapping, positions, cos_sin_cache, k_cache, scale, grid_ctas)
 
     return launch
 
