@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 import cute_kernels
@@ -23,6 +25,15 @@ def op_bytes(case) -> int:
     tokens = case.positions.shape[0]
     windows = int(case.boundary.sum())
     return tokens * (4 + 8 + 8 + 8) + windows * (STATE_BYTES_PER_WINDOW + 16 * 4 + 256 + 584)
+
+
+def host_calls(**_) -> dict[tuple, Callable[[], None]]:
+    """The T = 1 call (one window), keyed like its row."""
+    label, tokens, every = CASES[0]
+    args = compress_c128_case("v4_packed", tokens, KV_BLOCK_SIZE, "cuda", seed=tokens,
+                              boundary_every=every, negative_slots=False,
+                              distinct_windows=True).args()
+    return {("compress_c128", label, tokens): lambda: cute_kernels.compress_c128(*args)}
 
 
 def run(timer: Timer, ceiling: float, baselines: bool = True, **_) -> list[dict]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 import cute_kernels
@@ -22,6 +24,19 @@ DECODE_TOKENS = (1, 16, 64, 256)  # a decode step: one new slot per request, eac
 def op_bytes(fmt: CacheFormat, tokens: int) -> int:
     """kv row + position + slot + cos/sin row read, record (+ scales) written, per token."""
     return tokens * (HEAD_DIM * 2 + 8 + 8 + ROPE_DIM * 4 + fmt.row_bytes)
+
+
+def host_calls(slot_pattern: str = "paged") -> dict[tuple, Callable[[], None]]:
+    """The T = 1 call of every format and slot pattern, keyed like its row."""
+    calls = {}
+    for fmt in CacheFormat:
+        for pattern in (slot_pattern, "decode"):
+            args = kv_rope_insert_case(fmt, 1, BLOCK_SIZE, "cuda", extra_rows=0,
+                                       positions_base=POSITIONS_BASE, seed=1, skip_every=0,
+                                       slot_pattern=pattern).args()
+            label = fmt.value if pattern == slot_pattern else f"{fmt.value} {pattern}"
+            calls[("kv_rope_insert", label, 1)] = lambda a=args: cute_kernels.kv_rope_insert(*a)
+    return calls
 
 
 def run(timer: Timer, ceiling: float, tokens=TOKENS, baselines: bool = True,

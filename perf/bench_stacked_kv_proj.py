@@ -8,6 +8,7 @@ SGLang runs without the stacked path) and one stacked cuBLAS GEMM + PyTorch norm
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -109,6 +110,17 @@ def target_us(tokens: int, cublas_us: float, floor_us: float) -> float:
     """The issue's targets: at decode sizes (T <= 256) at most max(0.9 x the bare GEMM, 1.1 x
     the floor); at larger T no slower than the bare GEMM."""
     return max(0.9 * cublas_us, 1.1 * floor_us) if tokens <= 256 else cublas_us
+
+
+def host_calls(layouts=LAYOUTS, **_) -> dict[tuple, Callable[[], None]]:
+    """The T = 1 call of every layout, keyed like its row."""
+    calls = {}
+    for layout in layouts:
+        args = stacked_kv_proj_case(1, layout.hidden, layout.layers, layout.n_kv,
+                                    layout.head_dim, "cuda", skip_every=0, seed=1,
+                                    max_pos=4096).args()
+        calls[("stacked_kv_proj", layout.label, 1)] = lambda a=args: stacked_kv_proj(*a)
+    return calls
 
 
 def run(timer: Timer, ceiling: float, tokens=None, baselines: bool = True,

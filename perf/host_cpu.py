@@ -1,6 +1,7 @@
 """The Python host time of an eager call, without a GPU: each op's path up to the TVM-FFI call
 (the compiled function, the CUDA queries and the stream lookup stubbed out) and its ``check_*``
-of a known layout, at T = 1 on CPU tensors (the shapes of ``perf/host_profile.py``).
+of a known layout, at T = 1 on CPU tensors (the shapes of ``perf/host_profile.py``), and on
+meta tensors of the same layouts (a model loader's check).
 
     python3 -m perf.host_cpu [--calls 20000] [--repeats 7] [--profile]
 
@@ -16,6 +17,8 @@ import cProfile
 import pstats
 import time
 from collections.abc import Callable
+
+import torch
 
 import cute_kernels
 from cute_kernels.testing import (
@@ -33,6 +36,17 @@ def cases() -> dict[str, tuple]:
         "stacked_kv_proj": stacked_kv_proj_case(1, 4096, 5, 8, 128, "cpu",
                                                 skip_every=0).args(),
     }
+
+
+def on_meta(value: object) -> object:
+    """``value`` with every tensor replaced by a meta tensor of the same layout (what a model
+    loader checks, before any memory exists)."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                   device="meta")
+    if isinstance(value, (list, tuple)):
+        return type(value)(map(on_meta, value))
+    return value
 
 
 def per_call_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
@@ -58,8 +72,11 @@ def main() -> None:
             op = getattr(cute_kernels, name)
             call = per_call_us(lambda a=args, op=op: op(*a), cli.calls, cli.repeats)
             check = per_call_us(lambda a=args, op=op: op.check(*a), cli.calls, cli.repeats)
+            meta = on_meta(args)
+            check_meta = per_call_us(lambda a=meta, op=op: op.check(*a), cli.calls, cli.repeats)
             print(f"{name}: {call:.2f} us per call up to the FFI call, "
-                  f"{check:.2f} us per check of a known layout", flush=True)
+                  f"{check:.2f} us per check of a known layout ({check_meta:.2f} on meta "
+                  "tensors)", flush=True)
             if cli.profile:
                 profile = cProfile.Profile()
                 profile.enable()

@@ -144,3 +144,28 @@ def host_us(fn: Callable[[], None], calls: int = 200, reps: int = 5) -> float:
         samples.append((time.perf_counter() - begin) / calls * 1e6)
     torch.cuda.synchronize()
     return min(samples)
+
+
+class HostRounds:
+    """The host time of a few small calls, measured again in rounds spread over a ``make perf``
+    run: the GPU machine's host changes speed by up to a third from one minute to the next (a
+    co-tenant; ``torch``'s own ``x.add_(1)`` moves as much), so a cell's one measurement may
+    land in a slow minute. Each round times every call with :func:`host_us`; a cell's host time
+    is the best of its own measurement and the rounds'."""
+
+    def __init__(self, calls: dict[tuple, Callable[[], None]]) -> None:
+        self.calls = calls  # (kernel, format, tokens) -> the call
+        self.samples: dict[tuple, list[float]] = {key: [] for key in calls}
+
+    def round(self) -> None:
+        for key, call in self.calls.items():
+            self.samples[key].append(host_us(call))
+
+    def apply(self, rows: list[dict]) -> None:
+        """Each measured row's ``host_us`` becomes the best of it and the rounds', which are
+        kept as ``host_rounds_us``."""
+        for row in rows:
+            samples = self.samples.get((row["kernel"], row["format"], row["tokens"]))
+            if samples:
+                row["host_rounds_us"] = [round(s, 2) for s in samples]
+                row["host_us"] = min(row["host_us"], *samples)

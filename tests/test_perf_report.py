@@ -266,3 +266,27 @@ def test_write_report_without_matplotlib(tmp_path, monkeypatch, capsys):
     assert written == [tmp_path / "compare.txt"]
     assert not (tmp_path / "summary.png").exists()
     assert "matplotlib is not installed" in capsys.readouterr().out
+
+
+def test_host_rounds_take_the_best_of_a_cell_and_its_rounds():
+    """perf.timing.HostRounds: each round times every call once; a measured row's host time
+    becomes the best of its own and the rounds', the rounds kept beside it; other rows stay."""
+    from perf import timing
+
+    times = iter([9.0, 30.0, 7.5, 31.0, 8.0, 29.0])
+    rounds = timing.HostRounds({("kv_rope_insert", "bf16", 1): lambda: None,
+                                ("stacked_kv_proj", "TP 1", 1): lambda: None})
+    original = timing.host_us
+    timing.host_us = lambda call: next(times)
+    try:
+        for _ in range(3):
+            rounds.round()
+    finally:
+        timing.host_us = original
+    rows = [row("kv_rope_insert", "bf16", 1, 4.0, host_us=10.0),
+            row("stacked_kv_proj", "TP 1", 1, 30.0, host_us=28.0),
+            row("kv_rope_insert", "bf16", 512, 5.0, host_us=11.0)]
+    rounds.apply(rows)
+    assert rows[0]["host_us"] == 7.5 and rows[0]["host_rounds_us"] == [9.0, 7.5, 8.0]
+    assert rows[1]["host_us"] == 28.0 and rows[1]["host_rounds_us"] == [30.0, 31.0, 29.0]
+    assert rows[2]["host_us"] == 11.0 and "host_rounds_us" not in rows[2]
