@@ -113,6 +113,15 @@ class StackedKvProjBase:
         return layer, in_layer < self.kv, base, cutlass.select_(is_v, v_stride, k_stride)
 
     @cute.jit
+    def token_slots(self, mLoc: cute.Tensor) -> cute.Tensor:
+        """The cache slot of each of the T rows: ``cache_loc``, or ``cache_loc_2d`` ``[bs, W]``
+        (contiguous, validated) read as ``[bs * W]``, as it comes (no flat view per call)."""
+        if const_expr(self.has_commit):
+            return cute.make_tensor(mLoc.iterator,
+                                    cute.make_layout((mLoc.shape[0] * mLoc.shape[1],)))
+        return mLoc
+
+    @cute.jit
     def row_destination(self, mLoc: cute.Tensor, mCommit: cute.Tensor | None, width: Int32,
                         token: Int32) -> tuple:
         """(token clamped into range, cache slot, whether the row is written): a row is written

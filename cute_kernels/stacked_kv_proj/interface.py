@@ -115,7 +115,10 @@ def _build(key: StackedKvProjKey):
     cos_sin = du.fake_row_major(Float32, (du.sym(), d), align=ALIGN["cos_sin_cache"])
     loc = du.fake_row_major(Int64, (tokens,), align=ALIGN["cache_loc"])
     commit = None
-    if layout.has_commit:
+    if layout.has_commit:  # cache_loc_2d [bs, W] as it comes (its row stride may read as 1 at
+        # bs = 1, so it is symbolic; the validation asks for a contiguous tensor)
+        loc = du.fake_tensor(Int64, (du.sym(), du.sym()), (du.sym_stride(), 1),
+                             align=ALIGN["cache_loc_2d"])
         commit = du.fake_row_major(Int32, (du.sym(),), align=ALIGN["commit_lens"])
 
     def cache(arg: str):
@@ -292,8 +295,8 @@ def plan_for_call(args: tuple) -> StackedPlan:
 def _launch(layout: StackedLayout, args: tuple) -> Callable[[tuple], None]:
     """The launch of every call of the layout of ``args`` (see ``ops.cute_op``): the plan (T,
     H and the ``CUTE_KERNELS_STACKED_*`` overrides are part of the layout), the compiled
-    function and the workspace size are found once; the stream's workspace, the flat view of
-    ``cache_loc_2d`` and the cache tuples per call."""
+    function and the workspace size are found once; the stream's workspace once per stream;
+    the cache tuples per call."""
     ctx_hidden = args[0]
     if ctx_hidden.shape[0] == 0:
         return skip_launch
@@ -308,7 +311,6 @@ def _planned(layout: StackedLayout, plan: StackedPlan, args: tuple) -> Callable[
     ctx_hidden, _, _, _, _, _, _, _, _, _, cache_loc_2d, _ = args
     device = ctx_hidden.device
     fn = KERNELS.get(StackedKvProjKey(layout, plan.variant))
-    flat = cache_loc_2d is not None
     width = 1 if cache_loc_2d is None else cache_loc_2d.shape[1]
     # (device index, fp32 slots, counters) of the hand-over buffers, and the schedule
     tile = TILES[plan.variant.tile]
@@ -335,7 +337,7 @@ def _planned(layout: StackedLayout, plan: StackedPlan, args: tuple) -> Callable[
             buffers = _workspace(device, index, stream, *workspace)
             last[:] = stream, (*map(tvm_ffi.from_dlpack, buffers), *grid_args)
         fn(ctx_hidden, weight, bias, k_norm_weight, float(eps), positions, cos_sin_cache,
-           cache_loc_2d.reshape(-1) if flat else cache_loc, commit_lens, width,
+           cache_loc if cache_loc_2d is None else cache_loc_2d, commit_lens, width,
            tuple(k_caches), tuple(v_caches), *last[1])
 
     return launch

@@ -116,6 +116,7 @@ class StackedKvProjMma(StackedKvProjBase):
         splits: Int32,
         stream: cuda.CUstream,
     ) -> None:
+        mLoc = self.token_slots(mLoc)
         sA_layout = self._smem_layout_ab(self.mma_m)
         sB_layout = self._smem_layout_ab(self.mma_n)
         g2s = du.cp_async_atom(BFloat16)

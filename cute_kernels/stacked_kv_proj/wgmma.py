@@ -102,6 +102,7 @@ class StackedKvProjWgmma(StackedKvProjBase):
         dp_tiles: Int32,
         stream: cuda.CUstream,
     ) -> None:
+        mLoc = self.token_slots(mLoc)
         k_major = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR  # both operands are [rows, H], H inner
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(),
