@@ -182,8 +182,10 @@ class RecentLayout:
         entry.addressless = all(t.device.type == "meta" for t in flat)
         return entry
 
-    def gather(self, args: tuple) -> list | None:
+    def gather(self, args: tuple) -> tuple | list | None:
         """The tensors of ``args`` in guard order (None if a sequence differs)."""
+        if not self.sequences:
+            return self.pick(args)
         flat = [*self.pick(args)]
         for i, kind, length in self.sequences:
             seq = args[i]
@@ -203,7 +205,7 @@ class RecentLayout:
                 a = args[i]
                 if a is not value and (type(a) is not type(value) or a != value):
                     return False
-            flat = self.gather(args) if self.sequences else self.pick(args)
+            flat = self.gather(args)
             if flat is None or not self.guard.check(*flat):
                 return False  # a non-tensor in a tensor's place fails the guard too
         except (TypeError, ValueError):

@@ -27,12 +27,15 @@ def op_bytes(case) -> int:
     return tokens * (4 + 8 + 8 + 8) + windows * (STATE_BYTES_PER_WINDOW + 16 * 4 + 256 + 584)
 
 
+def _case(tokens: int, every: int | None):
+    return compress_c128_case("v4_packed", tokens, KV_BLOCK_SIZE, "cuda", seed=tokens,
+                              boundary_every=every, negative_slots=False, distinct_windows=True)
+
+
 def host_calls(**_) -> dict[tuple, Callable[[], None]]:
     """The T = 1 call (one window), keyed like its row."""
     label, tokens, every = CASES[0]
-    args = compress_c128_case("v4_packed", tokens, KV_BLOCK_SIZE, "cuda", seed=tokens,
-                              boundary_every=every, negative_slots=False,
-                              distinct_windows=True).args()
+    args = _case(tokens, every).args()
     return {("compress_c128", label, tokens): lambda: cute_kernels.compress_c128(*args)}
 
 
@@ -40,8 +43,7 @@ def run(timer: Timer, ceiling: float, baselines: bool = True, **_) -> list[dict]
     rows = []
     compiled_ref = torch.compile(reference.compress_c128, dynamic=True)
     for label, tokens, every in CASES:
-        case = compress_c128_case("v4_packed", tokens, KV_BLOCK_SIZE, "cuda", seed=tokens,
-                         boundary_every=every, negative_slots=False, distinct_windows=True)
+        case = _case(tokens, every)
         args = case.args()
         ref_backing, ref_cache = case.fresh_cache()
         reference.compress_c128(*case.args(ref_cache))

@@ -26,16 +26,24 @@ def op_bytes(fmt: CacheFormat, tokens: int) -> int:
     return tokens * (HEAD_DIM * 2 + 8 + 8 + ROPE_DIM * 4 + fmt.row_bytes)
 
 
+def _case(fmt: CacheFormat, tokens: int, pattern: str):
+    return kv_rope_insert_case(fmt, tokens, BLOCK_SIZE, "cuda", extra_rows=0,
+                               positions_base=POSITIONS_BASE, seed=tokens, skip_every=0,
+                               slot_pattern=pattern)
+
+
+def _label(fmt: CacheFormat, pattern: str, slot_pattern: str) -> str:
+    return fmt.value if pattern == slot_pattern else f"{fmt.value} {pattern}"
+
+
 def host_calls(slot_pattern: str = "paged") -> dict[tuple, Callable[[], None]]:
     """The T = 1 call of every format and slot pattern, keyed like its row."""
     calls = {}
     for fmt in CacheFormat:
         for pattern in (slot_pattern, "decode"):
-            args = kv_rope_insert_case(fmt, 1, BLOCK_SIZE, "cuda", extra_rows=0,
-                                       positions_base=POSITIONS_BASE, seed=1, skip_every=0,
-                                       slot_pattern=pattern).args()
-            label = fmt.value if pattern == slot_pattern else f"{fmt.value} {pattern}"
-            calls[("kv_rope_insert", label, 1)] = lambda a=args: cute_kernels.kv_rope_insert(*a)
+            args = _case(fmt, 1, pattern).args()
+            calls[("kv_rope_insert", _label(fmt, pattern, slot_pattern), 1)] = (
+                lambda a=args: cute_kernels.kv_rope_insert(*a))
     return calls
 
 
@@ -48,9 +56,7 @@ def run(timer: Timer, ceiling: float, tokens=TOKENS, baselines: bool = True,
     runs = [(slot_pattern, t) for t in tokens] + [("decode", t) for t in DECODE_TOKENS]
     for fmt in CacheFormat:
         for pattern, t in runs:
-            case = kv_rope_insert_case(fmt, t, BLOCK_SIZE, "cuda", extra_rows=0,
-                                       positions_base=POSITIONS_BASE, seed=t, skip_every=0,
-                                       slot_pattern=pattern)
+            case = _case(fmt, t, pattern)
             args = case.args()
             # correctness of the timed call, once
             ref_backing, ref_cache = case.twin()
@@ -64,7 +70,7 @@ def run(timer: Timer, ceiling: float, tokens=TOKENS, baselines: bool = True,
 
             nbytes = op_bytes(fmt, t)
             cold = timer.cold_us(call)
-            label = fmt.value if pattern == slot_pattern else f"{fmt.value} {pattern}"
+            label = _label(fmt, pattern, slot_pattern)
             row = {
                 "kernel": "kv_rope_insert", "format": label, "tokens": t,
                 "block_size": BLOCK_SIZE, "slots": pattern, "bytes": nbytes, "exact": exact,

@@ -116,11 +116,15 @@ def host_calls(layouts=LAYOUTS, **_) -> dict[tuple, Callable[[], None]]:
     """The T = 1 call of every layout, keyed like its row."""
     calls = {}
     for layout in layouts:
-        args = stacked_kv_proj_case(1, layout.hidden, layout.layers, layout.n_kv,
-                                    layout.head_dim, "cuda", skip_every=0, seed=1,
-                                    max_pos=4096).args()
+        args = _case(layout, 1).args()
         calls[("stacked_kv_proj", layout.label, 1)] = lambda a=args: stacked_kv_proj(*a)
     return calls
+
+
+def _case(layout: Layout, tokens: int):
+    return stacked_kv_proj_case(tokens, layout.hidden, layout.layers, layout.n_kv,
+                                layout.head_dim, "cuda", skip_every=0, seed=tokens,
+                                max_pos=max(4096, tokens + 1))
 
 
 def run(timer: Timer, ceiling: float, tokens=None, baselines: bool = True,
@@ -137,8 +141,7 @@ def run(timer: Timer, ceiling: float, tokens=None, baselines: bool = True,
 
 def _row(timer: Timer, ceiling: float, layout: Layout, t: int, empty_us: float,
          baselines: bool) -> dict:
-    case = stacked_kv_proj_case(t, layout.hidden, layout.layers, layout.n_kv, layout.head_dim,
-                                "cuda", skip_every=0, seed=t, max_pos=max(4096, t + 1))
+    case = _case(layout, t)
     args = case.args()
     # correctness of the timed call, once (reference: fp32 GEMM, explicit roundings)
     _, _, ref_k, ref_v = case.twin()

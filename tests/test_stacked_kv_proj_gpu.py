@@ -180,14 +180,21 @@ def test_stream_k(case_args, monkeypatch):
     every tile reduced in order, each row finished once, skipped rows untouched."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the stream-K schedule is the wgmma core's (sm_90a)")
-    tokens, hidden, layers, n_kv, head_dim, tile, ctas = case_args
-    monkeypatch.setenv(IMPL_ENV, "wgmma")
-    monkeypatch.setenv(SCHEDULE_ENV, "streamk")
-    monkeypatch.setenv(TILE_ENV, tile)
-    if ctas is not None:
-        monkeypatch.setenv(CTAS_ENV, str(ctas))
+    *layout, tile, ctas = case_args
+    _check_forced(monkeypatch, {IMPL_ENV: "wgmma", SCHEDULE_ENV: "streamk", TILE_ENV: tile,
+                                CTAS_ENV: ctas}, layout, commit_every=7)
+
+
+def _check_forced(monkeypatch, env: dict, layout: list, commit_every: int) -> None:
+    """A schedule forced through ``env`` (values None are left unset) on the layout (tokens,
+    H, L, n_kv, D), with bias, and with commit rows when T is a multiple of
+    ``commit_every``: checked over three runs."""
+    for name, value in env.items():
+        if value is not None:
+            monkeypatch.setenv(name, str(value))
+    tokens, hidden, layers, n_kv, head_dim = layout
     case = make_case(tokens, hidden, layers, n_kv, head_dim, "cuda", bias=True,
-                     commit=tokens % 7 == 0, seed=tokens + hidden)
+                     commit=tokens % commit_every == 0, seed=tokens + hidden)
     _check(case, rounds=3)
 
 
@@ -209,17 +216,11 @@ def test_split_k(case_args, handover, monkeypatch):
     """The mma core's split K forced on small and odd layouts, with both hand-overs: every
     tile's partials summed in split order (in a cluster, each CTA its slice of the rows; over
     the workspace, the CTA that arrives last), skipped rows untouched."""
-    tokens, hidden, layers, n_kv, head_dim, tile, splits = case_args
+    *layout, tile, splits = case_args
     if handover == "cluster" and (splits or 0) > 8:
         pytest.skip("a cluster holds at most 8 splits")
-    monkeypatch.setenv(IMPL_ENV, "mma")
-    monkeypatch.setenv(TILE_ENV, tile)
-    monkeypatch.setenv(HANDOVER_ENV, handover)
-    if splits is not None:
-        monkeypatch.setenv(SPLITS_ENV, str(splits))
-    case = make_case(tokens, hidden, layers, n_kv, head_dim, "cuda", bias=True,
-                     commit=tokens % 5 == 0, seed=tokens + hidden)
-    _check(case, rounds=3)
+    _check_forced(monkeypatch, {IMPL_ENV: "mma", TILE_ENV: tile, HANDOVER_ENV: handover,
+                                SPLITS_ENV: splits}, layout, commit_every=5)
 
 
 @pytest.mark.parametrize(("tokens", "splits"), [(1, 8), (16, 5), (40, 3)])
