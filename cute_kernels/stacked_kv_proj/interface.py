@@ -319,23 +319,30 @@ def _planned(layout: StackedLayout, plan: StackedPlan, args: tuple) -> Callable[
     if plan.variant.impl == "wgmma":  # two stream-K slots per CTA, a counter per tile
         workspace = (2 * plan.grid * slot_floats, 2 * plan.grid)
         grid_args: tuple = (plan.grid, plan.dp_tiles)
+        handover = True
     else:  # a slot per CTA of a tile split over the workspace, a counter per tile
-        split = plan.splits > 1 and not plan.variant.cluster
-        workspace = (plan.grid * slot_floats if split else 4, plan.dp_tiles if split else 1)
+        handover = plan.splits > 1 and not plan.variant.cluster
+        workspace = (plan.grid * slot_floats, plan.dp_tiles) if handover else (4, 1)
         grid_args = (plan.splits,)
     # The schedule of the stream this layout last launched on: that stream's hand-over
     # buffers, converted to TVM-FFI tensors once (they are ours, their metadata never
     # changes; a converted tensor keeps its buffer alive, so a schedule stays valid after
-    # another layout outgrows the stream's buffers), then the grid arguments.
+    # another layout outgrows the stream's buffers), then the grid arguments. A plan that
+    # hands nothing over through memory (one CTA per tile, or a cluster's DSMEM) never
+    # touches them: it gets the buffers of stream 0 once, and asks for no stream.
     last: list = [None, ()]
+    if not handover:
+        buffers = _workspace(device, index, 0, *workspace)
+        last[:] = 0, (*map(tvm_ffi.from_dlpack, buffers), *grid_args)
 
     def launch(args: tuple) -> None:
         (ctx_hidden, weight, bias, k_norm_weight, eps, positions, cos_sin_cache, cache_loc,
          k_caches, v_caches, cache_loc_2d, commit_lens) = args
-        stream = _current_stream(index)  # the hand-over buffers belong to the current stream
-        if stream != last[0]:
-            buffers = _workspace(device, index, stream, *workspace)
-            last[:] = stream, (*map(tvm_ffi.from_dlpack, buffers), *grid_args)
+        if handover:  # the hand-over buffers belong to the current stream
+            stream = _current_stream(index)
+            if stream != last[0]:
+                buffers = _workspace(device, index, stream, *workspace)
+                last[:] = stream, (*map(tvm_ffi.from_dlpack, buffers), *grid_args)
         fn(ctx_hidden, weight, bias, k_norm_weight, float(eps), positions, cos_sin_cache,
            cache_loc if cache_loc_2d is None else cache_loc_2d, commit_lens, width,
            tuple(k_caches), tuple(v_caches), *last[1])
