@@ -58,7 +58,8 @@ class KvRopeInsertKey:
 class KvRopeInsert:
     """Resident warps striding over the slots; lane ``L`` owns dims ``[16L, 16L + 16)``.
 
-    Lanes 0..27 hold NoPE dims, lanes 28..31 the 64 RoPE dims (8 GPT-J pairs each). A group
+    Lanes 0..27 hold NoPE dims, lanes 28..31 the 64 RoPE dims (8 GPT-J pairs each); the bf16
+    record instead leaves from chunks L and 32 + L of lane L (:meth:`store_bf16`). A group
     max is a butterfly over the lanes of one quantisation group (4 lanes = 64 dims for V4, 2
     lanes = 32 dims for V4.1).
 
@@ -79,8 +80,9 @@ class KvRopeInsert:
     CS_BYTES = 4 * ROPE_DIM  # a cos/sin row: 32 cos then 32 sin (fp32)
     DIMS_PER_LANE = HEAD_DIM // 32
     ROPE_FIRST_LANE = NOPE_DIM // DIMS_PER_LANE  # 28
-    ROPE_LANES = 32 - ROPE_FIRST_LANE
     PAIRS_PER_LANE = DIMS_PER_LANE // 2  # 8 (cos, sin) pairs per RoPE lane
+    # bf16 stores chunks L and 32 + L from lane L: the RoPE dims are chunks 56..63
+    BF16_ROPE_FIRST_LANE = NOPE_DIM // 8 - 32
     STAGE_BYTES = HEADER_BYTES + ROW_BYTES + CS_BYTES
     RING_BYTES = WARPS_PER_CTA * STAGES * STAGE_BYTES
     # Shared memory of an SM on sm_90 and sm_100 is 228 KiB, carved out of the 256 KiB it shares
@@ -167,16 +169,12 @@ class KvRopeInsert:
             if slot >= 0:  # the same in every lane
                 page, row = self.record_of(mCache, slot)
                 if const_expr(self.fmt is CacheFormat.BF16):
-                    if is_rope_lane:
-                        tXrF = self.load_row(stage, lane)
-                        self.apply_rope(tXrF, self.cos_sin_addr(stage, lane))
-                        self.store_row(stage, lane, tXrF)  # back into the stage, as bf16
-                    cute.arch.sync_warp()
                     self.store_bf16(stage, page + row * mCache.stride[1], lane)
                 else:
                     tXrF = self.load_row(stage, lane)
                     if is_rope_lane:
-                        self.apply_rope(tXrF, self.cos_sin_addr(stage, lane))
+                        self.apply_rope(tXrF, self.cos_sin_addr(stage, lane),
+                                        self.PAIRS_PER_LANE)
                     if const_expr(self.fmt.packed):
                         self.store_packed(stage, tXrF, page, row, Int64(mCache.shape[1]),
                                           lane, is_rope_lane)
@@ -276,19 +274,19 @@ class KvRopeInsert:
         position = cute.arch.shuffle_sync(tCrChunk[1], offset=item % 32)
         if lane == 0:
             du.store_shared_i64(stage, slot)  # the position is only needed for cos/sin, here
-        if (lane >= self.ROPE_FIRST_LANE) & (slot >= 0):  # a skipped row's position: any value
-            # the 256-byte row as is, 64 contiguous bytes (two whole sectors) an instruction
+        cs_lane = lane - (32 - self.CS_BYTES // 16)
+        if (cs_lane >= 0) & (slot >= 0):  # a skipped row's position: any value
+            # the 256-byte row as is, by the last 16 lanes in one instruction (whole sectors)
             table = mCosSin.iterator.toint() + position * (4 * ROPE_DIM)
             cs = stage + self.HEADER_BYTES + self.ROW_BYTES
-            for k in cutlass.range_constexpr(self.CS_BYTES // (16 * self.ROPE_LANES)):
-                chunk = self.ROPE_LANES * k + lane - self.ROPE_FIRST_LANE
-                du.cp_async_16(cs + 16 * chunk, table + 16 * chunk)
+            du.cp_async_16(cs + 16 * cs_lane, table + 16 * cs_lane)
 
     @cute.jit
-    def apply_rope(self, tXrF: cute.Tensor, cos: Int32) -> None:
-        """GPT-J rotation of this lane's 8 pairs with its cos values at shared address ``cos``
-        (and sin values CS_BYTES / 2 after), in two rounds of 4 pairs (fewer live registers)."""
-        for part in cutlass.range_constexpr(2):
+    def apply_rope(self, tXrF: cute.Tensor, cos: Int32, pairs: int) -> None:
+        """GPT-J rotation of this lane's ``pairs`` pairs with their cos values at shared
+        address ``cos`` (and sin values CS_BYTES / 2 after), in rounds of 4 pairs (fewer live
+        registers)."""
+        for part in cutlass.range_constexpr(pairs // 4):
             tCrC = du.load_shared_v4(cos + 16 * part, Float32)
             tCrS = du.load_shared_v4(cos + self.CS_BYTES // 2 + 16 * part, Float32)
             for j in cutlass.range_constexpr(4):
@@ -368,12 +366,29 @@ class KvRopeInsert:
 
     @cute.jit
     def store_bf16(self, stage: Int32, row_addr: Int64, lane: Int32) -> None:
-        """The stage's row (NoPE dims the input bits unchanged, RoPE dims rotated and rounded
-        by :meth:`store_row`) to the cache row: lane L stores chunks L and 32 + L, so each
-        store instruction writes 512 contiguous bytes."""
+        """The stage's row to the cache row through registers: lane L loads and stores chunks
+        L and 32 + L (each store instruction writes 512 contiguous bytes); the NoPE dims leave
+        as their input bits, and lanes 24..31 rotate the RoPE dims of their second chunk (4
+        GPT-J pairs each) and round them to bf16 (RNE) on the way. One shared load per chunk
+        and no second pass through the stage: the warp's shared-memory instructions are what
+        the op waits on (MIO throttle)."""
         for half in cutlass.range_constexpr(2):
             chunk = 32 * half + lane
-            self.copy_chunk_out(stage, chunk, row_addr + 16 * chunk)
+            words = du.load_shared_v4(self.row_chunk(stage, chunk))
+            tXrW = cute.make_rmem_tensor((4,), Uint32)
+            for w in cutlass.range_constexpr(4):
+                tXrW[w] = words[w]
+            if const_expr(half == 1):
+                if lane >= self.BF16_ROPE_FIRST_LANE:
+                    tXrF = cute.make_rmem_tensor((8,), Float32)
+                    for w in cutlass.range_constexpr(4):
+                        tXrF[2 * w], tXrF[2 * w + 1] = du.unpack_bf16x2(tXrW[w])
+                    cos = (stage + self.HEADER_BYTES + self.ROW_BYTES
+                           + 16 * (lane - self.BF16_ROPE_FIRST_LANE))
+                    self.apply_rope(tXrF, cos, 4)
+                    for w in cutlass.range_constexpr(4):
+                        tXrW[w] = du.pack_bf16x2(tXrF[2 * w], tXrF[2 * w + 1])
+            du.store_words(row_addr + 16 * chunk, tXrW)
 
     @cute.jit
     def store_fp8(self, tXrF: cute.Tensor, mScale: cute.Tensor, row_addr: Int64) -> None:
