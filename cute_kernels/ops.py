@@ -264,10 +264,14 @@ def _env_reader(names: tuple[str, ...]) -> Callable[[], tuple]:
         return slow
     keys = tuple(encode(name) for name in names)
     get = data.get
+    present = data.keys()  # a live view: one C call tells whether any of the names is set
+    unset = (None,) * len(names)
 
     def read() -> tuple:
         if os.environ is not environ:  # replaced wholesale: ask the new one
             return slow()
+        if present.isdisjoint(keys):  # the usual case (0.13 against 0.23 us for 7 names)
+            return unset
         return tuple(map(get, keys))
 
     return read
