@@ -287,6 +287,16 @@ def cp_async_wait(pending: int) -> None:
     cute.arch.inline_ptx(f"cp.async.wait_group {pending};")
 
 
+def load_global_v4(gmem_addr: Int64) -> tuple:
+    """Four 32-bit words from a 16-byte aligned global address, one load cached in L2 only
+    (``.cg``: each byte is read once); the registers are ready when first used."""
+    return cute.arch.inline_ptx(
+        "ld.global.cg.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[Uint32] * 4,
+        read_only_args=[gmem_addr],
+    )
+
+
 def load_shared_v4(smem_addr: Int32, dtype: type = Uint32) -> tuple:
     """Four 32-bit values (``Uint32`` or ``Float32``) from a 16-byte aligned shared address,
     one load."""

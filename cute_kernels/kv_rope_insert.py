@@ -150,6 +150,68 @@ class KvRopeInsert:
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
         self.load_chunk(mSlot, mPos, tCrChunk, lane, 0, first, stride, items)
+        if const_expr(self.fmt is CacheFormat.BF16):
+            self.bf16_loop(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, ring, first, stride,
+                           items, lane)
+        else:
+            self.quantizing_loop(mKV, mSlot, mPos, mCosSin, mCache, mScale, tCrChunk, ring,
+                                 first, stride, items, lane)
+
+    @cute.jit
+    def bf16_loop(
+        self, mKV: cute.Tensor, mSlot: cute.Tensor, mPos: cute.Tensor, mCosSin: cute.Tensor,
+        mCache: cute.Tensor, tCrChunk: cute.Tensor, ring: Int32, first: Int32, stride: Int32,
+        items: Int32, lane: Int32,
+    ) -> None:
+        """The bf16 record: each lane's two chunks of a kv row go global -> registers -> global
+        (the row never passes through shared memory; the ring holds the header and the
+        cos/sin row). The loop is unrolled by STAGES so that each slot's registers are a
+        static ring index."""
+        tKrK = cute.make_rmem_tensor((self.STAGES * 8,), Uint32)
+        for ahead in cutlass.range_constexpr(self.STAGES - 1):
+            if ahead < items:
+                self.fetch(mKV, mSlot, mPos, mCosSin, tCrChunk, ring, ahead, first, stride,
+                           items, lane)
+                self.load_row_words(mKV, tKrK, ahead, ahead, first, stride, lane)
+            du.cp_async_commit()
+        for base in cutlass.range(0, items, self.STAGES, unroll=1):
+            for k in cutlass.range_constexpr(self.STAGES):
+                i = base + k
+                ahead = i + self.STAGES - 1
+                if ahead < items:
+                    self.fetch(mKV, mSlot, mPos, mCosSin, tCrChunk, ring, ahead, first,
+                               stride, items, lane)
+                    self.load_row_words(mKV, tKrK, (k + self.STAGES - 1) % self.STAGES, ahead,
+                                        first, stride, lane)
+                du.cp_async_commit()  # one group per item: group i is the oldest pending
+                if i < items:
+                    du.cp_async_wait(self.STAGES - 1)
+                    cute.arch.sync_warp()  # the copies and lane 0's header are visible
+                    stage = ring + k * self.STAGE_BYTES
+                    slot = du.load_shared_i64(stage)
+                    if slot >= 0:  # the same in every lane
+                        page, row = self.record_of(mCache, slot)
+                        self.store_bf16(stage, tKrK, k, page + row * mCache.stride[1], lane)
+                    cute.arch.sync_warp()  # every lane is done with the stage
+
+    @cute.jit
+    def load_row_words(self, mKV: cute.Tensor, tKrK: cute.Tensor, reg_stage: int,
+                       item: Int32, first: Int32, stride: Int32, lane: Int32) -> None:
+        """Lane L loads chunks L and 32 + L of item ``item``'s kv row (each instruction 512
+        contiguous bytes) into register stage ``reg_stage``."""
+        row = mKV.iterator.toint() + Int64(first + item * stride) * self.ROW_BYTES
+        for half in cutlass.range_constexpr(2):
+            words = du.load_global_v4(row + 16 * (32 * half + lane))
+            for w in cutlass.range_constexpr(4):
+                tKrK[8 * reg_stage + 4 * half + w] = words[w]
+
+    @cute.jit
+    def quantizing_loop(
+        self, mKV: cute.Tensor, mSlot: cute.Tensor, mPos: cute.Tensor, mCosSin: cute.Tensor,
+        mCache: cute.Tensor, mScale: cute.Tensor | None, tCrChunk: cute.Tensor, ring: Int32,
+        first: Int32, stride: Int32, items: Int32, lane: Int32,
+    ) -> None:
+        """The fp8 and packed records: the kv row through the ring, 16 dims a lane."""
         for ahead in cutlass.range_constexpr(self.STAGES - 1):
             if ahead < items:
                 self.fetch(mKV, mSlot, mPos, mCosSin, tCrChunk, ring, ahead, first, stride,
@@ -168,19 +230,15 @@ class KvRopeInsert:
             is_rope_lane = lane >= self.ROPE_FIRST_LANE
             if slot >= 0:  # the same in every lane
                 page, row = self.record_of(mCache, slot)
-                if const_expr(self.fmt is CacheFormat.BF16):
-                    self.store_bf16(stage, page + row * mCache.stride[1], lane)
+                tXrF = self.load_row(stage, lane)
+                if is_rope_lane:
+                    self.apply_rope(tXrF, self.cos_sin_addr(stage, lane), self.PAIRS_PER_LANE)
+                if const_expr(self.fmt.packed):
+                    self.store_packed(stage, tXrF, page, row, Int64(mCache.shape[1]), lane,
+                                      is_rope_lane)
                 else:
-                    tXrF = self.load_row(stage, lane)
-                    if is_rope_lane:
-                        self.apply_rope(tXrF, self.cos_sin_addr(stage, lane),
-                                        self.PAIRS_PER_LANE)
-                    if const_expr(self.fmt.packed):
-                        self.store_packed(stage, tXrF, page, row, Int64(mCache.shape[1]),
-                                          lane, is_rope_lane)
-                    else:
-                        self.store_fp8(tXrF, mScale,
-                                       page + row * mCache.stride[1] + lane * self.DIMS_PER_LANE)
+                    self.store_fp8(tXrF, mScale,
+                                   page + row * mCache.stride[1] + lane * self.DIMS_PER_LANE)
             cute.arch.sync_warp()  # every lane is done with the stage before it is refilled
 
     @cute.jit
@@ -262,10 +320,11 @@ class KvRopeInsert:
         stage = ring + (item % self.STAGES) * self.STAGE_BYTES
         # the kv row first: its address needs no load (the first slots' copies start while the
         # chunk's slot/position loads are still in flight)
-        row = mKV.iterator.toint() + Int64(first + item * stride) * self.ROW_BYTES
-        for half in cutlass.range_constexpr(2):
-            chunk = 32 * half + lane
-            du.cp_async_16(self.row_chunk(stage, chunk), row + 16 * chunk)
+        if const_expr(self.fmt is not CacheFormat.BF16):  # bf16: load_row_words
+            row = mKV.iterator.toint() + Int64(first + item * stride) * self.ROW_BYTES
+            for half in cutlass.range_constexpr(2):
+                chunk = 32 * half + lane
+                du.cp_async_16(self.row_chunk(stage, chunk), row + 16 * chunk)
         if item % 32 == 0:  # enter the next chunk, and start loading the one after it
             tCrChunk[0] = tCrChunk[2]
             tCrChunk[1] = tCrChunk[3]
@@ -365,19 +424,16 @@ class KvRopeInsert:
             ptr.store(packed)
 
     @cute.jit
-    def store_bf16(self, stage: Int32, row_addr: Int64, lane: Int32) -> None:
-        """The stage's row to the cache row through registers: lane L loads and stores chunks
-        L and 32 + L (each store instruction writes 512 contiguous bytes); the NoPE dims leave
-        as their input bits, and lanes 24..31 rotate the RoPE dims of their second chunk (4
-        GPT-J pairs each) and round them to bf16 (RNE) on the way. One shared load per chunk
-        and no second pass through the stage: the warp's shared-memory instructions are what
-        the op waits on (MIO throttle)."""
+    def store_bf16(self, stage: Int32, tKrK: cute.Tensor, reg_stage: int, row_addr: Int64,
+                   lane: Int32) -> None:
+        """Register stage ``reg_stage`` (chunks L and 32 + L of the row) to the cache row: each
+        store instruction writes 512 contiguous bytes; the NoPE dims leave as their input
+        bits, and lanes 24..31 rotate the RoPE dims of their second chunk (4 GPT-J pairs
+        each, cos/sin from ``stage``) and round them to bf16 (RNE) on the way."""
         for half in cutlass.range_constexpr(2):
-            chunk = 32 * half + lane
-            words = du.load_shared_v4(self.row_chunk(stage, chunk))
             tXrW = cute.make_rmem_tensor((4,), Uint32)
             for w in cutlass.range_constexpr(4):
-                tXrW[w] = words[w]
+                tXrW[w] = tKrK[8 * reg_stage + 4 * half + w]
             if const_expr(half == 1):
                 if lane >= self.BF16_ROPE_FIRST_LANE:
                     tXrF = cute.make_rmem_tensor((8,), Float32)
@@ -388,7 +444,7 @@ class KvRopeInsert:
                     self.apply_rope(tXrF, cos, 4)
                     for w in cutlass.range_constexpr(4):
                         tXrW[w] = du.pack_bf16x2(tXrF[2 * w], tXrF[2 * w + 1])
-            du.store_words(row_addr + 16 * chunk, tXrW)
+            du.store_words(row_addr + 16 * (32 * half + lane), tXrW)
 
     @cute.jit
     def store_fp8(self, tXrF: cute.Tensor, mScale: cute.Tensor, row_addr: Int64) -> None:
