@@ -32,7 +32,8 @@ by object identity, and the prepared launches hold none of the caller's tensors.
 Before the signature, a call is matched against the few layouts the op saw last
 (:class:`RecentLayout`): the same check, done mostly in C++ by Dynamo's tensor guards (dtype,
 device, sizes, strides, plus requires_grad and dispatch keys, which only make it stricter),
-the other arguments compared by type and value, and the addresses' alignment. A serving step
+the other arguments compared by type and value, and the addresses' alignment, in one
+straight-line function generated for the layout when it is remembered. A serving step
 calls each op with one layout per layer, so this is the path of nearly every call; anything
 it does not match goes the signature way, which decides as before. A call of the op (not
 ``check``) leaves the alignment to the compiled function: TVM-FFI checks every tensor's
@@ -192,14 +193,14 @@ class RecentLayout:
 
 def _matcher(count: int, env: object, tensors: list[int], sequences: list[tuple],
              values: list[tuple], guard_check: Callable[..., bool]
-             ) -> tuple[Callable[[object, tuple], bool], Callable[[tuple], bool]]:
+             ) -> tuple[Callable[[object, tuple], bool], Callable[[object, tuple], bool]]:
     """The tests of one layout as straight-line functions (generated, as ``dataclasses``
     generates its methods): :attr:`RecentLayout.match` (the environment, each value
     argument's identity or type and value, each sequence's type and length, then the guard
-    over the tensors in one call) and whether all the tensors' addresses are 16-byte
-    aligned (their gcd, one C call). Measured on the development CPU, a TP-1 stacked call's
-    match costs 1.1 us this way and 1.45 us as loops over the positions (the guard alone,
-    1.0)."""
+    over the tensors in one call) and :attr:`RecentLayout.match16`, the same and all the
+    tensors' addresses 16-byte aligned (their gcd, one C call). Measured on the development
+    CPU, a TP-1 stacked call's match costs 1.1 us this way and 1.45 us as loops over the
+    positions (the guard alone, 1.0)."""
     unpack = f"        {', '.join(f'a{i}' for i in range(count))}, = args"
     consts: dict[str, object] = {"ENV": env, "GUARD": guard_check, "GCD": math.gcd,
                                  "ADDRESS": _Tensor.data_ptr}

@@ -98,6 +98,17 @@ def test_a_recent_layout_asks_for_the_same_types_and_values():
     assert stacked.check(*as_tuples) is None
     shorter = [*args[:8], args[8][:-1], args[9], *args[10:]]
     assert "v_caches" in _message(stacked.check, *shorter)
+    # something other than a tensor where the layout had one, in a sequence or not: the
+    # generated test answers no (it does not raise), and the validation names the argument
+    not_a_cache = [*args[:8], [*args[8][:-1], "cache"], *args[9:]]
+    assert "k_caches[" in _message(stacked.check, *not_a_cache)
+    not_positions = [*args[:5], args[5].tolist(), *args[6:]]
+    assert "positions" in _message(stacked.check, *not_positions)
+    with cpu_launches() as launches:
+        stacked(*args)
+        assert "k_caches[" in _message(stacked, *not_a_cache)
+        assert "positions" in _message(stacked, *not_positions)
+        assert len(launches) == 1
 
 
 def test_more_layouts_than_the_recent_ones_stay_correct():
@@ -459,6 +470,10 @@ def test_the_environment_is_read_as_os_environ_has_it(monkeypatch):
     assert read() != first and read()[1] is None
     monkeypatch.setenv("CUTE_KERNELS_TEST_B", "x")
     assert read()[1] == first[0]
+    monkeypatch.delenv("CUTE_KERNELS_TEST_A")
+    assert read() == (None, first[0])
+    monkeypatch.delenv("CUTE_KERNELS_TEST_B")  # none set again: the key view is live
+    assert read() == (None, None) and one() == (None,)
     monkeypatch.setattr("os.environ", {"CUTE_KERNELS_TEST_A": "z"})
     assert read() == ("z", None) and one() == ("z",)
 
