@@ -136,10 +136,11 @@ class RecentLayout:
     addresses modulo 16. :attr:`match` is true exactly when the signature would be equal,
     except that it also asks for the same requires_grad and dispatch keys (a stricter test:
     a miss only costs the signature) and leaves the addresses out (a call of the op leaves
-    them to the compiled function, see :func:`cute_op`); :meth:`aligned` adds them, and
-    accepts any addresses that are all 16-byte aligned (every alignment a validation checks
-    is at most 16 bytes, so such a call passes them all, as the layout did). Tensors that
-    are all on the meta device (a model loader's check) have no addresses to read: the guard
+    them to the compiled function, see :func:`cute_op`). ``check`` adds them:
+    :attr:`match16` accepts any addresses that are all 16-byte aligned (every alignment a
+    validation checks is at most 16 bytes, so such a call passes them all, as the layout
+    did), :meth:`matches_misaligned` the layout's own addresses modulo 16. Tensors that are
+    all on the meta device (a model loader's check) have no addresses to read: the guard
     holds them there."""
 
     __slots__ = ("match", "match16", "pick", "aligns", "addressless", "target")
@@ -201,30 +202,27 @@ def _matcher(count: int, env: object, tensors: list[int], sequences: list[tuple]
     tensors' addresses 16-byte aligned (their gcd, one C call). Measured on the development
     CPU, a TP-1 stacked call's match costs 1.1 us this way and 1.45 us as loops over the
     positions (the guard alone, 1.0)."""
-    unpack = f"        {', '.join(f'a{i}' for i in range(count))}, = args"
     consts: dict[str, object] = {"ENV": env, "GUARD": guard_check, "GCD": math.gcd,
                                  "ADDRESS": _Tensor.data_ptr}
-    match = ["def match(env, args):", "    try:", unpack,
-             "        if env != ENV:", "            return False"]
+    head = ["    try:", f"        {', '.join(f'a{i}' for i in range(count))}, = args",
+            "        if env != ENV:", "            return False"]
     for i, value in values:
         consts[f"V{i}"], consts[f"T{i}"] = value, type(value)
-        match += [f"        if a{i} is not V{i} and (type(a{i}) is not T{i} or a{i} != V{i}):",
-                  "            return False"]
+        head += [f"        if a{i} is not V{i} and (type(a{i}) is not T{i} or a{i} != V{i}):",
+                 "            return False"]
     for i, kind, length in sequences:
         consts[f"S{i}"] = kind
-        match += [f"        if type(a{i}) is not S{i} or len(a{i}) != {length}:",
-                  "            return False"]
+        head += [f"        if type(a{i}) is not S{i} or len(a{i}) != {length}:",
+                 "            return False"]
     # a non-tensor in a tensor's place fails the guard (False or TypeError)
-    guarded = [f"a{i}" for i in tensors] + [f"*a{i}" for i, _, _ in sequences]
-    match += [f"        return GUARD({', '.join(guarded)})",
-              "    except (TypeError, ValueError):", "        return False"]
-    # match16: the same, and every address 16-byte aligned (their gcd: one C call)
-    addresses = [f"ADDRESS(a{i})" for i in tensors] + [
-        f"*map(ADDRESS, a{i})" for i, _, _ in sequences]
-    match16 = [line.replace("def match(", "def match16(") for line in match[:-3]] + [
-        f"        if not GUARD({', '.join(guarded)}):", "            return False",
-        f"        return GCD({', '.join(addresses)}) & 15 == 0", *match[-2:]]
-    exec("\n".join(match + match16), consts)  # noqa: S102 - built from positions only
+    guard = f"GUARD({', '.join([f'a{i}' for i in tensors] + [f'*a{i}' for i, _, _ in sequences])})"
+    addresses = ", ".join([f"ADDRESS(a{i})" for i in tensors]
+                          + [f"*map(ADDRESS, a{i})" for i, _, _ in sequences])
+    tail = ["    except (TypeError, ValueError):", "        return False"]
+    source = ["def match(env, args):", *head, f"        return {guard}", *tail,
+              "def match16(env, args):", *head, f"        if not {guard}:",
+              "            return False", f"        return GCD({addresses}) & 15 == 0", *tail]
+    exec("\n".join(source), consts)  # noqa: S102 - built from positions only
     return consts["match"], consts["match16"]  # type: ignore[return-value]
 
 
