@@ -398,10 +398,7 @@ def cute_op(
                 run(positional(args, kwargs))
 
         def check(*args: Any, **kwargs: Any) -> None:
-            if not kwargs and required <= len(args) <= count:
-                args += defaults[len(args):]
-            else:
-                args = positional(args, kwargs)
+            args = positional(args, kwargs)
             env = read_env()
             for entry in recent_checked:
                 if entry.match16(env, args) or entry.matches_misaligned(env, args):
