@@ -210,18 +210,24 @@ def pack_e4m3x4(v0: Float32, v1: Float32, v2: Float32, v3: Float32) -> Uint32:
 
 
 def ue8m0_exponent(amax: Float32) -> Int32:
-    """``e = ceil(log2(max(amax, 1e-4) / 448))`` exactly, from the bits of the IEEE quotient:
-    the quotient's exponent, plus one unless it is an exact power of two. No ``lg2.approx``."""
+    """``e = ceil(log2(max(amax, 1e-4) / 448))`` exactly as the fp32 quotient gives it (its
+    exponent, plus one unless it is an exact power of two), without the division: 448 is
+    1.75 x 2^8 and scaling by 2^-8 is exact, so for ``a = m x 2^E`` (``m`` in [1, 2))
+    ``fl(a / 448)`` exceeds ``2^(E - 8)`` exactly when ``m > 1.75`` (the quotient of the
+    next fp32 above 1.75 x 2^E already rounds away from the power of two), and ``e`` is
+    ``E - 8`` plus one then. An infinite ``amax`` gives 128, as the quotient does; NaN is
+    dropped by ``max``. Checked against the quotient on every bf16 value and 5e7 fp32 values."""
     return cute.arch.inline_ptx(
-        "{ .reg .f32 q; .reg .b32 b, m; .reg .pred inexact;"
-        " max.f32 q, {$r0}, 0f38D1B717;"  # 1e-4f
-        " div.rn.f32 q, q, 0f43E00000;"  # 448.0f
-        " mov.b32 b, q;"
+        "{ .reg .f32 a; .reg .b32 b, m; .reg .pred up, inf;"
+        " max.f32 a, {$r0}, 0f38D1B717;"  # 1e-4f
+        " mov.b32 b, a;"
         " and.b32 m, b, 8388607;"
-        " setp.ne.u32 inexact, m, 0;"
-        " bfe.u32 b, b, 23, 8;"
-        " add.s32 b, b, -127;"
-        " @inexact add.s32 b, b, 1;"
+        " setp.gt.u32 up, m, 6291456;"  # mantissa of 1.75
+        " shr.u32 b, b, 23;"  # the sign is 0
+        " setp.eq.u32 inf, b, 255;"
+        " add.s32 b, b, -135;"  # - 127 (bias) - 8 (448 = 1.75 x 2^8)
+        " @up add.s32 b, b, 1;"
+        " @inf mov.b32 b, 128;"
         " mov.b32 {$w0}, b; }",
         write_only_types=[Int32],
         read_only_args=[amax],
@@ -263,6 +269,36 @@ def unpack_bf16x2(word: Uint32) -> tuple[Float32, Float32]:
         "shl.b32 {$w0}, {$r0}, 16; and.b32 {$w1}, {$r0}, 0xFFFF0000;",
         write_only_types=[Float32, Float32],
         read_only_args=[word],
+    )
+
+
+# -- division by a runtime divisor ---------------------------------------------------------------
+
+
+def divisor_magic(d: Int32) -> tuple:
+    """``(m, l)`` that divide by ``d`` (``1 <= d < 2^31``) with :func:`divide_by_magic`:
+    ``l = ceil(log2 d)``, ``m = floor(2^32 (2^l - d) / d) + 1`` (Granlund and Montgomery's
+    round-up method). Computed in the kernel, once per thread: the DSL's own fast-divmod
+    divisor is hoisted to the host launcher, which then pays for it on every call."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 dm1, z; .reg .b64 num, dd, q;"
+        " sub.u32 dm1, {$r0}, 1; clz.b32 z, dm1; sub.u32 {$w1}, 32, z;"
+        " cvt.u64.u32 dd, {$r0}; shl.b64 num, 1, {$w1}; sub.u64 num, num, dd;"
+        " shl.b64 num, num, 32; div.u64 q, num, dd; add.u64 q, q, 1;"
+        " cvt.u32.u64 {$w0}, q; }",
+        write_only_types=[Uint32, Uint32],
+        read_only_args=[d],
+    )
+
+
+def divide_by_magic(n: Int32, magic: tuple) -> Int32:
+    """``n // d`` for ``0 <= n < 2^31`` and the ``(m, l)`` of :func:`divisor_magic` (``d``):
+    ``(umulhi(m, n) + n) >> l``, three instructions (the sum cannot overflow: ``n < 2^31``)."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 t; mul.hi.u32 t, {$r1}, {$r0}; add.u32 t, t, {$r0};"
+        " shr.u32 {$w0}, t, {$r2}; }",
+        write_only_types=[Int32],
+        read_only_args=[n, magic[0], magic[1]],
     )
 
 
@@ -315,6 +351,23 @@ def store_shared_v4(smem_addr: Int32, w0: Uint32, w1: Uint32, w2: Uint32, w3: Ui
 
 def store_shared_i64(smem_addr: Int32, value: Int64) -> None:
     cute.arch.inline_ptx("st.shared.b64 [{$r0}], {$r1};", read_only_args=[smem_addr, value])
+
+
+def load_shared_b32(smem_addr: Int32, dtype: type = Uint32) -> Any:
+    """One 32-bit value (``Uint32`` or ``Float32``) from a 4-byte aligned shared address."""
+    return cute.arch.inline_ptx("ld.shared.b32 {$w0}, [{$r0}];", write_only_types=[dtype],
+                                read_only_args=[smem_addr])
+
+
+def store_shared_b32(smem_addr: Int32, value: Any) -> None:
+    """One 32-bit value to a 4-byte aligned shared address."""
+    cute.arch.inline_ptx("st.shared.b32 [{$r0}], {$r1};", read_only_args=[smem_addr, value])
+
+
+def store_shared_v2(smem_addr: Int32, v0: Any, v1: Any) -> None:
+    """Two 32-bit values to an 8-byte aligned shared address, one store."""
+    cute.arch.inline_ptx("st.shared.v2.b32 [{$r0}], {{$r1}, {$r2}};",
+                         read_only_args=[smem_addr, v0, v1])
 
 
 def load_shared_i64(smem_addr: Int32) -> Int64:

@@ -58,10 +58,11 @@ class KvRopeInsertKey:
 class KvRopeInsert:
     """Resident warps striding over the slots; lane ``L`` owns dims ``[16L, 16L + 16)``.
 
-    Lanes 0..27 hold NoPE dims, lanes 28..31 the 64 RoPE dims (8 GPT-J pairs each); the bf16
-    record instead leaves from chunks L and 32 + L of lane L (:meth:`store_bf16`). A group
-    max is a butterfly over the lanes of one quantisation group (4 lanes = 64 dims for V4, 2
-    lanes = 32 dims for V4.1).
+    Lanes 0..27 hold NoPE dims, lanes 28..31 the 64 RoPE dims; the quantising formats rotate
+    the 32 GPT-J pairs one per lane in the shared-memory stage first (:meth:`rotate_rope`),
+    and the bf16 record leaves from chunks L and 32 + L of lane L (:meth:`store_bf16`). A
+    group max is a butterfly over the lanes of one quantisation group (4 lanes = 64 dims for
+    V4, 2 lanes = 32 dims for V4.1).
 
     Each warp keeps ``STAGES - 1`` slots' inputs in flight in a ``cp.async`` ring in shared
     memory while it rotates, quantises and stores the current one. The slot and position of
@@ -71,10 +72,11 @@ class KvRopeInsert:
     """
 
     WARPS_PER_CTA = 8
-    # The op is bound by the bytes each SM keeps in flight: 32 resident warps x 3 slots ahead
-    # (about 120 KiB per SM). 4 CTAs of 256 threads leave ptxas 64 registers a thread.
+    # 32 resident warps x 3 slots ahead keep about 120 KiB per SM in flight (a fifth stage,
+    # 160 KiB, measured no faster once the quantising formats' instructions were cut). 4 CTAs
+    # of 256 threads leave ptxas 64 registers a thread.
     CTAS_PER_SM = 4
-    STAGES = 4  # a power of two: the ring index is a mask
+    STAGES = 4  # bf16 holds 8 registers a stage: 4 stages fit 64 registers without spilling
     HEADER_BYTES = 16  # the slot (int64), padded so that the row starts 16-byte aligned
     ROW_BYTES = 2 * HEAD_DIM  # the bf16 kv row
     CS_BYTES = 4 * ROPE_DIM  # a cos/sin row: 32 cos then 32 sin (fp32)
@@ -190,7 +192,8 @@ class KvRopeInsert:
                     stage = ring + k * self.STAGE_BYTES
                     slot = du.load_shared_i64(stage)
                     if slot >= 0:  # the same in every lane
-                        page, row = self.record_of(mCache, slot)
+                        # the 64-bit division: the multiply-shift's registers made ptxas spill
+                        page, row = self.record_of(mCache, None, slot)
                         self.store_bf16(stage, tKrK, k, page + row * mCache.stride[1], lane)
                     cute.arch.sync_warp()  # every lane is done with the stage
 
@@ -212,11 +215,21 @@ class KvRopeInsert:
         first: Int32, stride: Int32, items: Int32, lane: Int32,
     ) -> None:
         """The fp8 and packed records: the kv row through the ring, 16 dims a lane."""
+        fp8_scale = Float32(1.0)
+        if const_expr(self.fmt is CacheFormat.FP8):
+            fp8_scale = mScale[0]
         for ahead in cutlass.range_constexpr(self.STAGES - 1):
             if ahead < items:
                 self.fetch(mKV, mSlot, mPos, mCosSin, tCrChunk, ring, ahead, first, stride,
                            items, lane)
             du.cp_async_commit()
+        # Once per thread, after the first copies are on their way (so that neither the scale's
+        # load nor the 64-bit division of divisor_magic delays them): the block size's
+        # multiply-shift and the fp8 cache's 1 / scale.
+        block_magic = du.divisor_magic(Int32(mCache.shape[1]))
+        fp8_inv_scale = Float32(1.0)
+        if const_expr(self.fmt is CacheFormat.FP8):
+            fp8_inv_scale = du.div_rn(Float32(1.0), fp8_scale)
         for i in cutlass.range(items, unroll=1):
             ahead = i + self.STAGES - 1
             if ahead < items:
@@ -229,15 +242,22 @@ class KvRopeInsert:
             slot = du.load_shared_i64(stage)
             is_rope_lane = lane >= self.ROPE_FIRST_LANE
             if slot >= 0:  # the same in every lane
-                page, row = self.record_of(mCache, slot)
+                page, row = self.record_of(mCache, block_magic, slot)
+                self.rotate_rope(stage, lane)
+                cute.arch.sync_warp()  # the rotated pairs are visible to every lane
                 tXrF = self.load_row(stage, lane)
-                if is_rope_lane:
-                    self.apply_rope(tXrF, self.cos_sin_addr(stage, lane), self.PAIRS_PER_LANE)
+                if const_expr(self.fmt is CacheFormat.FP8):
+                    if is_rope_lane:  # the fp32 rotated pairs, not their bf16 rounding
+                        cs = self.cos_sin_addr(stage, lane)
+                        for part in cutlass.range_constexpr(self.DIMS_PER_LANE // 4):
+                            words = du.load_shared_v4(cs + 16 * part, Float32)
+                            for w in cutlass.range_constexpr(4):
+                                tXrF[4 * part + w] = words[w]
                 if const_expr(self.fmt.packed):
                     self.store_packed(stage, tXrF, page, row, Int64(mCache.shape[1]), lane,
                                       is_rope_lane)
                 else:
-                    self.store_fp8(tXrF, mScale,
+                    self.store_fp8(tXrF, fp8_inv_scale,
                                    page + row * mCache.stride[1] + lane * self.DIMS_PER_LANE)
             cute.arch.sync_warp()  # every lane is done with the stage before it is refilled
 
@@ -253,17 +273,6 @@ class KvRopeInsert:
         return tXrF
 
     @cute.jit
-    def store_row(self, stage: Int32, lane: Int32, tXrF: cute.Tensor) -> None:
-        """This lane's 16 values, rounded to bf16 (RNE), back into its chunks of ``stage``."""
-        for half in cutlass.range_constexpr(2):
-            e = 8 * half
-            du.store_shared_v4(
-                self.row_chunk(stage, 2 * lane + half),
-                du.pack_bf16x2(tXrF[e], tXrF[e + 1]), du.pack_bf16x2(tXrF[e + 2], tXrF[e + 3]),
-                du.pack_bf16x2(tXrF[e + 4], tXrF[e + 5]), du.pack_bf16x2(tXrF[e + 6], tXrF[e + 7]),
-            )
-
-    @cute.jit
     def copy_chunk_out(self, stage: Int32, chunk: Int32, addr: Int64) -> None:
         """16-byte chunk ``chunk`` of the stage's row to global address ``addr``."""
         words = du.load_shared_v4(self.row_chunk(stage, chunk))
@@ -273,10 +282,21 @@ class KvRopeInsert:
         du.store_words(addr, tXrW)
 
     @cute.jit
-    def record_of(self, mCache: cute.Tensor, slot: Int64) -> tuple[Int64, Int64]:
-        """(page base address, row in the page) of ``slot``."""
+    def record_of(self, mCache: cute.Tensor, block_magic: tuple | None,
+                  slot: Int64) -> tuple[Int64, Int64]:
+        """(page base address, row in the page) of ``slot`` (>= 0, the same in every lane).
+        With the block size's ``block_magic`` (:func:`~cute_kernels.dsl_utils.divisor_magic`)
+        a 32-bit multiply-shift for every slot below 2^31 (a 64-bit division is a ~30
+        instruction routine); the division otherwise."""
         block_size = Int64(mCache.shape[1])
-        page_index = slot // block_size
+        page_index = Int64(0)
+        if const_expr(block_magic is None):
+            page_index = slot // block_size
+        else:
+            if slot < Int64(2**31):
+                page_index = Int64(du.divide_by_magic(Int32(slot), block_magic))
+            else:
+                page_index = slot // block_size
         page = mCache.iterator.toint() + page_index * mCache.stride[0]
         return page, slot - page_index * block_size
 
@@ -288,9 +308,10 @@ class KvRopeInsert:
         return stage + self.HEADER_BYTES + 16 * (chunk ^ ((chunk >> 3) & 1))
 
     def cos_sin_addr(self, stage: Int32, lane: Int32) -> Int32:
-        """A RoPE lane's 8 cos values in ``stage`` (its 8 sin values are CS_BYTES / 2 on)."""
+        """Where a RoPE lane's 16 rotated fp32 values lie in ``stage`` after the fp8 format's
+        :meth:`rotate_rope`: its 8 pairs, 64 bytes, in the cos/sin row."""
         return (stage + self.HEADER_BYTES + self.ROW_BYTES
-                + (lane - self.ROPE_FIRST_LANE) * 4 * self.PAIRS_PER_LANE)
+                + (lane - self.ROPE_FIRST_LANE) * 8 * self.PAIRS_PER_LANE)
 
     @cute.jit
     def load_chunk(
@@ -341,6 +362,25 @@ class KvRopeInsert:
             du.cp_async_16(cs + 16 * cs_lane, table + 16 * cs_lane)
 
     @cute.jit
+    def rotate_rope(self, stage: Int32, lane: Int32) -> None:
+        """Lane ``j`` rotates GPT-J pair ``j`` (dims 448 + 2j, + 1) of the stage's row with its
+        cos/sin (every lane one pair, where 4 RoPE lanes rotating 8 pairs each cost the warp
+        8 rounds), and writes the result back into the stage: bf16 (RNE) into the row, or for
+        the fp8 cache the fp32 pair over the cos/sin row, which :meth:`cos_sin_addr` then
+        addresses as the RoPE lanes' 16 rotated values. The caller syncs the warp after."""
+        cs = stage + self.HEADER_BYTES + self.ROW_BYTES
+        pair_chunk = self.row_chunk(stage, (NOPE_DIM * 2 + 4 * lane) // 16) + 4 * (lane % 4)
+        x_even, x_odd = du.unpack_bf16x2(du.load_shared_b32(pair_chunk))
+        cos = du.load_shared_b32(cs + 4 * lane, Float32)
+        sin = du.load_shared_b32(cs + self.CS_BYTES // 2 + 4 * lane, Float32)
+        rot_even, rot_odd = du.rotate_pair(x_even, x_odd, cos, sin)
+        if const_expr(self.fmt is CacheFormat.FP8):
+            cute.arch.sync_warp()  # every lane has read its cos/sin before they are overwritten
+            du.store_shared_v2(cs + 8 * lane, rot_even, rot_odd)
+        else:
+            du.store_shared_b32(pair_chunk, du.pack_bf16x2(rot_even, rot_odd))
+
+    @cute.jit
     def apply_rope(self, tXrF: cute.Tensor, cos: Int32, pairs: int) -> None:
         """GPT-J rotation of this lane's ``pairs`` pairs with their cos values at shared
         address ``cos`` (and sin values CS_BYTES / 2 after), in rounds of 4 pairs (fewer live
@@ -386,42 +426,30 @@ class KvRopeInsert:
         """Segregated page layout: ``[bs x data_bytes]`` records, then ``[bs x scale_bytes]``."""
         record = page + row * self.data_bytes
         tXrQ = cute.make_rmem_tensor((self.DIMS_PER_LANE // 4,), Uint32)
+        # V4.1 quantises the bf16-rounded rotated values too (the RoPE lanes read them back
+        # from the stage); V4's group 7 (the RoPE lanes) is never stored.
+        exponent = self.quantize_group(tXrF, tXrQ)
         if const_expr(self.fmt is CacheFormat.V41_MXFP8):
-            if is_rope_lane:  # V4.1 quantises the bf16-rounded rotated values too
-                for i in cutlass.range_constexpr(self.DIMS_PER_LANE):
-                    tXrF[i] = du.round_to_bf16(tXrF[i])
-            exponent = self.quantize_group(tXrF, tXrQ)
             du.store_words(record + lane * self.DIMS_PER_LANE, tXrQ)
         else:
-            exponent = self.quantize_group(tXrF, tXrQ)  # RoPE lanes' group 7 is never stored
-            if is_rope_lane:  # the 128 bytes of bf16 RoPE dims leave through the stage, so
-                self.store_row(stage, lane, tXrF)  # 8 lanes store them as whole sectors
-            else:
+            if not is_rope_lane:
                 du.store_words(record + lane * self.DIMS_PER_LANE, tXrQ)
-            cute.arch.sync_warp()
+            # the 128 bytes of rotated bf16 RoPE dims leave from the stage as whole sectors
             rope_chunks = ROPE_DIM * 2 // 16
             if lane < rope_chunks:
                 self.copy_chunk_out(stage, self.ROW_BYTES // 16 - rope_chunks + lane,
                                     record + NOPE_DIM + 16 * lane)
-        # Scale bytes: word j of the row holds groups 4j..4j+3; group g's exponent lives in lane
-        # g * group_lanes. Every lane joins the shuffles; lanes 0..words-1 store one word each, so
-        # the row's scale bytes leave in one coalesced store. (V4: lane 28 owns "group 7", the
-        # RoPE lanes, whose byte is the zero pad.)
+        # Scale bytes: the first lane of each group stores its group's byte, so the row's
+        # scale bytes leave in one store instruction (one sector). (V4: lane 28 owns "group 7",
+        # the RoPE lanes, whose byte is the zero pad.)
         scale_byte = du.ue8m0_byte(exponent)
         if const_expr(self.fmt is CacheFormat.V4_PACKED):
             scale_byte = cutlass.select_(is_rope_lane, Int32(0), scale_byte)
-        words = self.scale_bytes // 4
-        packed = Uint32(0)
-        for k in cutlass.range_constexpr(4):
-            src = ((lane % words) * 4 + k) * self.group_lanes
-            byte = cute.arch.shuffle_sync(scale_byte, offset=src)
-            packed = packed | (Uint32(byte) << (8 * k))
-        if lane < words:
+        if lane % self.group_lanes == 0:
             scale_row = page + block_size * self.data_bytes + row * self.scale_bytes
-            ptr = cute.make_ptr(
-                Uint32, scale_row + lane * 4, cute.AddressSpace.gmem, assumed_align=4
-            )
-            ptr.store(packed)
+            ptr = cute.make_ptr(Uint8, scale_row + lane // self.group_lanes,
+                                cute.AddressSpace.gmem)
+            ptr.store(Uint8(scale_byte))
 
     @cute.jit
     def store_bf16(self, stage: Int32, tKrK: cute.Tensor, reg_stage: int, row_addr: Int64,
@@ -447,9 +475,9 @@ class KvRopeInsert:
             du.store_words(row_addr + 16 * (32 * half + lane), tXrW)
 
     @cute.jit
-    def store_fp8(self, tXrF: cute.Tensor, mScale: cute.Tensor, row_addr: Int64) -> None:
-        """e4m3(clamp(x * fl32(1 / scale))), from fp32 (the RoPE dims are not rounded first)."""
-        inv_scale = du.div_rn(Float32(1.0), mScale[0])
+    def store_fp8(self, tXrF: cute.Tensor, inv_scale: Float32, row_addr: Int64) -> None:
+        """e4m3(clamp(x * inv_scale)), ``inv_scale = fl32(1 / scale)``, from fp32 (the RoPE dims
+        are not rounded first)."""
         tXrQ = cute.make_rmem_tensor((self.DIMS_PER_LANE // 4,), Uint32)
         for w in cutlass.range_constexpr(self.DIMS_PER_LANE // 4):
             tXrQ[w] = du.pack_e4m3x4(
