@@ -73,28 +73,35 @@ class CompressC128:
 
     Each CTA reads its 64 columns of the 128 window rows (64 KiB) with 16-byte copies: warp ``w``
     covers rows ``16w .. 16w + 15`` = state pages ``2w`` and ``2w + 1`` of the window, a half-warp
-    one row, a lane 4 columns. The copies are ``cp.async`` into a shared-memory stage that each
-    thread reads back itself, so the next window streams in while this one is pooled, merged and
-    stored (register loads could only be issued once the pooling had freed the registers). A lane
-    keeps (max, sum e, sum kv * e) per column; half-warps merge
-    through shuffles, warps through shared memory. The RMSNorm's sum of squares crosses the cluster
-    through distributed shared memory (one float per CTA, summed in rank order, so every CTA gets
-    the same bits); everything else is CTA-local, so the whole op is one launch.
+    one row, a lane 4 columns. A window is two halves (one state page per warp, 32 KiB per CTA),
+    copied by ``cp.async`` into a ring of three half-window slots that each thread reads back
+    itself: while a window is pooled, merged and stored, the next window and the first half of
+    the one after it are in flight, and the stream never waits for a window to be consumed
+    whole. A lane keeps (max, sum e, sum kv * e) per column; half-warps merge through shuffles,
+    warps through shared memory. The RMSNorm's sum of squares crosses the cluster through
+    distributed shared memory (one float per CTA, summed in rank order, so every CTA gets the same
+    bits); everything else is CTA-local, so the whole op is one launch.
 
-    The grid is persistent: ``num_clusters`` clusters stride over the tokens. A warp tests 32
-    tokens at once (one load each) and a ballot lists the boundary tokens, so a token that is not
-    on a boundary costs a fraction of one load, and no CTA is launched per token.
+    The grid is persistent: ``num_clusters`` clusters stride over the tokens in chunks of 32. A
+    warp tests a chunk's 32 tokens at once (one load each) and a ballot lists the boundary
+    tokens, so a token that is not on a boundary costs a fraction of one load, and no CTA is
+    launched per token. Two cursors walk the same list: the issuing one (which also reads each
+    boundary lane's page ids, all 32 in parallel) runs three halves ahead of the pooling one,
+    across chunk ends.
     """
 
     CLUSTER = HEAD_DIM // GROUP  # 8 CTAs: one per 64 columns
     # Two CTAs per SM (<= 128 registers: the 64 fp32 of a window fragment stay in registers)
-    # keep 128 KiB of state loads in flight per SM; more CTAs measured no faster.
+    # keep up to 192 KiB of state loads in flight per SM; more CTAs measured no faster.
     CTAS_PER_SM = 2
-    WINDOW_CHUNKS = 16  # 16-byte chunks a thread stages per window: 8 kv + 8 score
     WARPS = 8
     ROWS_PER_WARP = C128_RATIO // WARPS  # 16 = two state pages
     COLS_PER_LANE = 4  # one 16-byte load
     ROW_STEPS = ROWS_PER_WARP // 2  # a warp instruction covers two rows (two half-warps)
+    HALF_STEPS = ROW_STEPS // 2  # one state page: 4 row steps
+    HALF_CHUNKS = 2 * HALF_STEPS  # 16-byte chunks a thread stages per half: 4 kv + 4 score
+    # Half-window slots: 96 KiB per CTA, two CTAs in the SM's 228 KiB.
+    RING = 3
 
     def __init__(self, fmt: CacheFormat) -> None:
         self.fmt = fmt  # the norm weight's dtype only changes the argument type, not the body
@@ -125,8 +132,8 @@ class CompressC128:
             cluster=[self.CLUSTER, 1, 1],
             stream=stream,
             min_blocks_per_mp=self.CTAS_PER_SM,
-            # percent of the SM's 228 KiB: two CTAs of ~71 KiB (the window stage + stats); the
-            # state stream bypasses L1 (cp.async.cg), so L1 needs little
+            # percent of the SM's 228 KiB: two CTAs of ~103 KiB (the ring + stats); the state
+            # stream bypasses L1 (cp.async.cg), so L1 needs little
             preferred_smem_carveout=100,
         )
 
@@ -159,66 +166,92 @@ class CompressC128:
         sStat = smem.allocate_tensor(Float32, stat_layout, byte_alignment=16)
         # this CTA's sum of squares, double-buffered by token parity (peers read it remotely)
         sSumSq = smem.allocate_tensor(Float32, cute.make_layout(2), byte_alignment=8)
-        # The next window's state: 16-byte chunk c of thread i at (c * threads + i) * 16 bytes,
-        # so a warp's 32 chunks are 512 contiguous bytes (no bank conflicts either way).
+        # The ring of half windows: 16-byte chunk c of thread i in slot s at
+        # ((s * HALF_CHUNKS + c) * threads + i) * 16 bytes, so a warp's 32 chunks are 512
+        # contiguous bytes (no bank conflicts either way).
         threads = 32 * self.WARPS
-        sWindow = smem.allocate_tensor(
+        chunk_floats = threads * self.COLS_PER_LANE
+        sRing = smem.allocate_tensor(
             Float32,
-            cute.make_layout((self.COLS_PER_LANE, self.WINDOW_CHUNKS, threads),
-                             stride=(1, threads * self.COLS_PER_LANE, self.COLS_PER_LANE)),
+            cute.make_layout(
+                (self.COLS_PER_LANE, self.HALF_CHUNKS, self.RING, threads),
+                stride=(1, chunk_floats, self.HALF_CHUNKS * chunk_floats, self.COLS_PER_LANE),
+            ),
             byte_alignment=128,
         )
-        tWsW = sWindow[None, None, warp * 32 + lane]  # this thread's (4, 16) chunks
+        tRsR = sRing[None, None, None, warp * 32 + lane]  # this thread's (4, 8, RING) chunks
         g2s = du.cp_async_atom(Float32)
 
         num_tokens = mPos.shape[0]
         per_cluster = (num_tokens - cluster_id + num_clusters - 1) // num_clusters
+        num_chunks = (per_cluster + 31) // 32
+        # the first chunk's tokens, for both cursors
+        t, in_range, pos, slot, kv_slot = self.load_tokens(mPos, mSlot, mKvSlot, cluster_id,
+                                                           num_clusters, Int32(0), lane)
+        # -- the issuing cursor: chunk, boundary tokens not yet issued whole, next half -------
+        issue_chunk = Int32(0)
+        issue_mask, page0, page1 = self.lane_pages(
+            mTokenReq, mBlockTable, t, pos, self.ballot(in_range, pos, slot, kv_slot), warp
+        )
+        issue_half = Int32(0)
+        for first_slot in cutlass.range_constexpr(self.RING):
+            issue_chunk, issue_mask, issue_half, page0, page1 = self.issue(
+                g2s, mState, mTokenReq, mBlockTable, mPos, mSlot, mKvSlot,
+                tRsR[None, None, first_slot],
+                cluster_id, num_clusters, num_chunks, issue_chunk, issue_mask, issue_half, page0,
+                page1, rank, lane, warp,
+            )
+
+        # The record's per-lane constants, read once (not on each token's store path) and
+        # after the first copies are on their way: the norm weights of dims 64 rank + 2 lane,
+        # + 1 and the fp8 cache's reciprocal scale.
+        norm_w = cute.make_rmem_tensor((2,), Float32)
+        for c in cutlass.range_constexpr(2):
+            norm_w[c] = mNormW[rank * GROUP + 2 * lane + c].to(Float32)
+        fp8_inv_scale = Float32(1.0)
+        if const_expr(self.fmt is CacheFormat.FP8):
+            fp8_inv_scale = du.div_rn(Float32(1.0), mScale[0])
+
+        # -- the pooling cursor ---------------------------------------------------------------
+        tKrK = self.make_window_fragment()
+        tSrS = self.make_window_fragment()
+        ring_slot = Int32(0)
         processed = Int32(0)
-        for chunk in cutlass.range((per_cluster + 31) // 32):
-            # -- find this chunk's boundary tokens: one lane per token ----------------------
-            t = cluster_id + (chunk * 32 + lane) * num_clusters
-            in_range = t < num_tokens
-            t_safe = cutlass.select_(in_range, t, Int32(0))
-            pos = mPos[t_safe]
-            slot = mSlot[t_safe]
-            kv_slot = mKvSlot[t_safe]
-            is_boundary = in_range & (slot >= 0) & (kv_slot >= 0) & ((pos + 1) % C128_RATIO == 0)
-            mask = Uint32(cute.arch.vote_ballot_sync(is_boundary))
-            # Software pipeline over the chunk's boundary tokens: token k+1's state copies are
-            # issued as soon as token k's window is in registers, so they stay in flight through
-            # token k's pooling, merge, cluster barrier and store; token k+2's page ids are
-            # fetched behind them (req -> block table -> state: three serial round trips).
-            tKrK = self.make_window_fragment()
-            tSrS = self.make_window_fragment()
-            page0 = Int32(0)
-            page1 = Int32(0)
-            if mask != Uint32(0):
-                page0, page1 = self.window_pages(
-                    mTokenReq, mBlockTable, t_safe, pos, self.lowest_lane(mask), warp
-                )
-                self.load_window(g2s, mState, page0, page1, tWsW, rank, lane)
-                rest = mask & (mask - Uint32(1))
-                if rest != Uint32(0):
-                    page0, page1 = self.window_pages(
-                        mTokenReq, mBlockTable, t_safe, pos, self.lowest_lane(rest), warp
-                    )
+        for chunk in cutlass.range(num_chunks):
+            mask = self.ballot(in_range, pos, slot, kv_slot)
+            chunk_pos = pos
+            chunk_kv_slot = kv_slot
+            # the next chunk's tokens are in flight while this one is pooled
+            _, in_range, pos, slot, kv_slot = self.load_tokens(mPos, mSlot, mKvSlot, cluster_id,
+                                                               num_clusters, chunk + 1, lane)
             for _ in cutlass.range(cute.arch.popc(mask)):
                 src = self.lowest_lane(mask)
                 mask = mask & (mask - Uint32(1))
-                token_pos = cute.arch.shuffle_sync(pos, offset=src)
-                token_kv_slot = cute.arch.shuffle_sync(kv_slot, offset=src)
-                # Only this thread's own copies are read back: its wait_group is the only sync.
-                cute.arch.cp_async_wait_group(0)
-                for step in cutlass.range_constexpr(self.ROW_STEPS):
-                    cute.autovec_copy(tWsW[None, step], tKrK[step, None])
-                    cute.autovec_copy(tWsW[None, self.ROW_STEPS + step], tSrS[step, None])
-                if mask != Uint32(0):
-                    self.load_window(g2s, mState, page0, page1, tWsW, rank, lane)
-                    rest = mask & (mask - Uint32(1))
-                    if rest != Uint32(0):
-                        page0, page1 = self.window_pages(
-                            mTokenReq, mBlockTable, t_safe, pos, self.lowest_lane(rest), warp
-                        )
+                token_pos = cute.arch.shuffle_sync(chunk_pos, offset=src)
+                token_kv_slot = cute.arch.shuffle_sync(chunk_kv_slot, offset=src)
+                window_start = token_pos - (C128_RATIO - 1)
+                cos_sin = cute.make_rmem_tensor((2,), Float32)
+                cos_sin.fill(0.0)
+                if warp == 0 and rank == self.CLUSTER - 1:
+                    # the RoPE pair's cos/sin, in flight through the pooling
+                    cos_sin[0] = mCosSin[window_start, lane]
+                    cos_sin[1] = mCosSin[window_start, ROPE_DIM // 2 + lane]
+                for half in cutlass.range_constexpr(2):
+                    # Only this thread's own copies are read back: its wait_group is the only
+                    # sync. The two newer groups (the halves behind this one) stay in flight.
+                    cute.arch.cp_async_wait_group(self.RING - 1)
+                    tHsH = tRsR[None, None, ring_slot]
+                    for i in cutlass.range_constexpr(self.HALF_STEPS):
+                        step = half * self.HALF_STEPS + i
+                        cute.autovec_copy(tHsH[None, i], tKrK[step, None])
+                        cute.autovec_copy(tHsH[None, self.HALF_STEPS + i], tSrS[step, None])
+                    issue_chunk, issue_mask, issue_half, page0, page1 = self.issue(
+                        g2s, mState, mTokenReq, mBlockTable, mPos, mSlot, mKvSlot, tHsH,
+                        cluster_id, num_clusters, num_chunks, issue_chunk, issue_mask,
+                        issue_half, page0, page1, rank, lane, warp,
+                    )
+                    ring_slot = cutlass.select_(ring_slot == self.RING - 1, Int32(0),
+                                                ring_slot + 1)
                 self.pool_rows(tKrK, tSrS, sStat, warp, lane)
                 parity = processed % 2
                 x = cute.make_rmem_tensor((2,), Float32)
@@ -234,8 +267,8 @@ class CompressC128:
                 cute.arch.cluster_wait()
                 if warp == 0:
                     self.normalize_store(
-                        x, mNormW, eps, mCosSin, mCache, mScale, sSumSq, token_pos,
-                        token_kv_slot, parity, rank, lane,
+                        x, norm_w, eps, cos_sin, fp8_inv_scale, mCache, sSumSq, token_kv_slot,
+                        parity, rank, lane,
                     )
                 processed = processed + 1
         # A CTA's shared memory must outlive its peers' last remote read.
@@ -255,49 +288,107 @@ class CompressC128:
         return Int32(cute.arch.popc((mask & (Uint32(0) - mask)) - Uint32(1)))
 
     @cute.jit
-    def window_pages(
+    def load_tokens(
+        self,
+        mPos: cute.Tensor,
+        mSlot: cute.Tensor,
+        mKvSlot: cute.Tensor,
+        cluster_id: Int32,
+        num_clusters: Int32,
+        chunk: Int32,
+        lane: Int32,
+    ) -> tuple:
+        """Lane ``l`` loads token ``cluster_id + (32 chunk + l) * num_clusters`` of the chunk:
+        its index (0 when out of range), whether it is in range, its position, state slot and
+        record slot. Plain loads: nothing waits for them before :meth:`ballot`."""
+        num_tokens = mPos.shape[0]
+        t = cluster_id + (chunk * 32 + lane) * num_clusters
+        in_range = t < num_tokens
+        t_safe = cutlass.select_(in_range, t, Int32(0))
+        return t_safe, in_range, mPos[t_safe], mSlot[t_safe], mKvSlot[t_safe]
+
+    @staticmethod
+    def ballot(in_range: cutlass.Boolean, pos: Int64, slot: Int64, kv_slot: Int64) -> Uint32:
+        """The lanes whose token is on a boundary with both slots set."""
+        is_boundary = in_range & (slot >= 0) & (kv_slot >= 0) & ((pos + 1) % C128_RATIO == 0)
+        return Uint32(cute.arch.vote_ballot_sync(is_boundary))
+
+    @cute.jit
+    def lane_pages(
         self,
         mTokenReq: cute.Tensor,
         mBlockTable: cute.Tensor,
-        t_lane: Int32,
-        pos_lane: Int64,
-        src: Int32,
+        t: Int32,
+        pos: Int64,
+        mask: Uint32,
         warp: Int32,
     ) -> tuple:
-        """Physical ids of the two state pages (16 rows) that warp ``warp`` reads for the
-        boundary token held by lane ``src``."""
-        token = cute.arch.shuffle_sync(t_lane, offset=src)
-        window_start = cute.arch.shuffle_sync(pos_lane, offset=src) - (C128_RATIO - 1)
-        request = mTokenReq[token]
-        first_page = Int32(window_start // C128_STATE_BLOCK) + 2 * warp
-        return mBlockTable[request, first_page], mBlockTable[request, first_page + 1]
+        """For each boundary lane's token the two state pages of its window that warp ``warp``
+        reads (all 32 lanes' request and block-table reads in parallel: two round trips per
+        chunk, not per window); ``mask`` passes through."""
+        page0 = Int32(0)
+        page1 = Int32(0)
+        if (mask >> Uint32(cute.arch.lane_idx())) & Uint32(1) != Uint32(0):
+            request = mTokenReq[t]
+            first_page = Int32((pos - (C128_RATIO - 1)) // C128_STATE_BLOCK) + 2 * warp
+            page0 = mBlockTable[request, first_page]
+            page1 = mBlockTable[request, first_page + 1]
+        return mask, page0, page1
 
     @cute.jit
-    def load_window(
+    def issue(
         self,
         g2s: cute.CopyAtom,
         mState: cute.Tensor,
+        mTokenReq: cute.Tensor,
+        mBlockTable: cute.Tensor,
+        mPos: cute.Tensor,
+        mSlot: cute.Tensor,
+        mKvSlot: cute.Tensor,
+        tHsH: cute.Tensor,
+        cluster_id: Int32,
+        num_clusters: Int32,
+        num_chunks: Int32,
+        chunk: Int32,
+        mask: Uint32,
+        half: Int32,
         page0: Int32,
         page1: Int32,
-        tWsW: cute.Tensor,
         rank: Int32,
         lane: Int32,
-    ) -> None:
-        """Start copying this lane's 4 columns of kv and score for its 8 rows into its shared
-        memory chunks (kv rows 0..7, then score rows 0..7): 16 independent 16-byte copies."""
-        half = lane // 16
-        col_tile = rank * (GROUP // self.COLS_PER_LANE) + lane % 16  # 4-column tile index
-        score_tile = col_tile + HEAD_DIM // self.COLS_PER_LANE
-        for page_in_warp in cutlass.range_constexpr(2):
-            page = page0 if page_in_warp == 0 else page1
-            for i in cutlass.range_constexpr(self.ROW_STEPS // 2):
-                step = page_in_warp * (self.ROW_STEPS // 2) + i
-                gRow = mState[page, 2 * i + half, None]
+        warp: Int32,
+    ) -> tuple:
+        """The issuing cursor's step: start copying the next half window into ``tHsH`` (this
+        lane's 4 columns of kv and score for its 4 rows of one state page: 8 independent 16-byte
+        copies), then advance — past the chunk's last boundary token to the next chunk that has
+        one. One commit group per step, empty once every window is issued, so that the pooling
+        cursor's ``wait_group`` count is the same at every step."""
+        if mask != Uint32(0):
+            src = self.lowest_lane(mask)
+            page = cute.arch.shuffle_sync(cutlass.select_(half == 0, page0, page1), offset=src)
+            row_half = lane // 16
+            col_tile = rank * (GROUP // self.COLS_PER_LANE) + lane % 16  # 4-column tile index
+            score_tile = col_tile + HEAD_DIM // self.COLS_PER_LANE
+            for i in cutlass.range_constexpr(self.HALF_STEPS):
+                gRow = mState[page, 2 * i + row_half, None]
                 cute.copy(g2s, cute.local_tile(gRow, (self.COLS_PER_LANE,), (col_tile,)),
-                          tWsW[None, step])
+                          tHsH[None, i])
                 cute.copy(g2s, cute.local_tile(gRow, (self.COLS_PER_LANE,), (score_tile,)),
-                          tWsW[None, self.ROW_STEPS + step])
+                          tHsH[None, self.HALF_STEPS + i])
+            half = 1 - half
+            if half == 0:
+                mask = mask & (mask - Uint32(1))
+                while (mask == Uint32(0)) & (chunk + 1 < num_chunks):
+                    chunk = chunk + 1
+                    t, in_range, pos, slot, kv_slot = self.load_tokens(
+                        mPos, mSlot, mKvSlot, cluster_id, num_clusters, chunk, lane
+                    )
+                    mask, page0, page1 = self.lane_pages(
+                        mTokenReq, mBlockTable, t, pos, self.ballot(in_range, pos, slot, kv_slot),
+                        warp,
+                    )
         cute.arch.cp_async_commit_group()
+        return chunk, mask, half, page0, page1
 
     @cute.jit
     def pool_rows(
@@ -357,13 +448,12 @@ class CompressC128:
     def normalize_store(
         self,
         x: cute.Tensor,
-        mNormW: cute.Tensor,
+        norm_w: cute.Tensor,
         eps: Float32,
-        mCosSin: cute.Tensor,
+        cos_sin: cute.Tensor,
+        fp8_inv_scale: Float32,
         mCache: cute.Tensor,
-        mScale: cute.Tensor | None,
         sSumSq: cute.Tensor,
-        pos: Int64,
         kv_slot: Int64,
         parity: Int32,
         rank: Int32,
@@ -381,33 +471,30 @@ class CompressC128:
         rstd = du.rsqrt_approx_ftz(total * (1.0 / HEAD_DIM) + eps)
         y = cute.make_rmem_tensor((2,), Float32)
         for c in cutlass.range_constexpr(2):
-            weight = mNormW[rank * GROUP + 2 * lane + c].to(Float32)
-            y[c] = x[c] * rstd * weight
-        self.store(y, mCosSin, mCache, mScale, pos - (C128_RATIO - 1), kv_slot, rank, lane)
+            y[c] = x[c] * rstd * norm_w[c]
+        self.store(y, cos_sin, fp8_inv_scale, mCache, kv_slot, rank, lane)
 
     @cute.jit
     def store(
         self,
         y: cute.Tensor,
-        mCosSin: cute.Tensor,
+        cos_sin: cute.Tensor,
+        fp8_inv_scale: Float32,
         mCache: cute.Tensor,
-        mScale: cute.Tensor | None,
-        window_start: Int64,
         kv_slot: Int64,
         rank: Int32,
         lane: Int32,
     ) -> None:
         """Warp 0 of CTA ``rank`` writes its 64 dims of the record; lane ``l`` owns dims
-        ``64 rank + 2l, + 1`` — for CTA 7 exactly GPT-J pair ``l``."""
+        ``64 rank + 2l, + 1`` — for CTA 7 exactly GPT-J pair ``l``, rotated by ``cos_sin``
+        (the window start's); ``fp8_inv_scale`` is the fp8 cache's ``1 / fp8_scale``."""
         block_size = Int64(mCache.shape[1])
         page_index = kv_slot // block_size
         row = kv_slot - page_index * block_size
         page = mCache.iterator.toint() + page_index * mCache.stride[0]
         is_rope = rank == self.CLUSTER - 1
         if is_rope:  # rotate the fp32 normed values (not bf16-rounded) at the window start
-            cos = mCosSin[window_start, lane]
-            sin = mCosSin[window_start, ROPE_DIM // 2 + lane]
-            y[0], y[1] = du.rotate_pair(y[0], y[1], cos, sin)
+            y[0], y[1] = du.rotate_pair(y[0], y[1], cos_sin[0], cos_sin[1])
         if const_expr(self.fmt is CacheFormat.V4_PACKED):
             record = page + row * self.fmt.data_bytes
             scale_row = page + block_size * self.fmt.data_bytes + row * self.fmt.scale_bytes
@@ -440,9 +527,8 @@ class CompressC128:
                 ptr = cute.make_ptr(Uint32, dst, cute.AddressSpace.gmem, assumed_align=4)
                 ptr.store(du.pack_bf16x2(y[0], y[1]))
             else:
-                inv = du.div_rn(Float32(1.0), mScale[0])
-                q0 = du.mul_rn(du.round_to_bf16(y[0]), inv)
-                q1 = du.mul_rn(du.round_to_bf16(y[1]), inv)
+                q0 = du.mul_rn(du.round_to_bf16(y[0]), fp8_inv_scale)
+                q1 = du.mul_rn(du.round_to_bf16(y[1]), fp8_inv_scale)
                 codes = du.pack_e4m3x4(q0, q1, Float32(0), Float32(0))
                 dst = row_start + rank * GROUP + 2 * lane
                 ptr = cute.make_ptr(cutlass.Uint16, dst, cute.AddressSpace.gmem, assumed_align=2)
