@@ -82,7 +82,6 @@ class KvRopeInsert:
     CS_BYTES = 4 * ROPE_DIM  # a cos/sin row: 32 cos then 32 sin (fp32)
     DIMS_PER_LANE = HEAD_DIM // 32
     ROPE_FIRST_LANE = NOPE_DIM // DIMS_PER_LANE  # 28
-    PAIRS_PER_LANE = DIMS_PER_LANE // 2  # 8 (cos, sin) pairs per RoPE lane
     # bf16 stores chunks L and 32 + L from lane L: the RoPE dims are chunks 56..63
     BF16_ROPE_FIRST_LANE = NOPE_DIM // 8 - 32
     STAGE_BYTES = HEADER_BYTES + ROW_BYTES + CS_BYTES
@@ -248,9 +247,9 @@ class KvRopeInsert:
                 tXrF = self.load_row(stage, lane)
                 if const_expr(self.fmt is CacheFormat.FP8):
                     if is_rope_lane:  # the fp32 rotated pairs, not their bf16 rounding
-                        cs = self.cos_sin_addr(stage, lane)
+                        rotated = self.rotated_rope_dims(stage, lane)
                         for part in cutlass.range_constexpr(self.DIMS_PER_LANE // 4):
-                            words = du.load_shared_v4(cs + 16 * part, Float32)
+                            words = du.load_shared_v4(rotated + 16 * part, Float32)
                             for w in cutlass.range_constexpr(4):
                                 tXrF[4 * part + w] = words[w]
                 if const_expr(self.fmt.packed):
@@ -307,11 +306,14 @@ class KvRopeInsert:
         slot in every odd group of 8 chunks keeps both free of shared-memory bank conflicts."""
         return stage + self.HEADER_BYTES + 16 * (chunk ^ ((chunk >> 3) & 1))
 
-    def cos_sin_addr(self, stage: Int32, lane: Int32) -> Int32:
+    def cos_sin_row(self, stage: Int32) -> Int32:
+        """The 256-byte cos/sin row of ``stage`` (32 cos, then 32 sin, fp32)."""
+        return stage + self.HEADER_BYTES + self.ROW_BYTES
+
+    def rotated_rope_dims(self, stage: Int32, lane: Int32) -> Int32:
         """Where a RoPE lane's 16 rotated fp32 values lie in ``stage`` after the fp8 format's
-        :meth:`rotate_rope`: its 8 pairs, 64 bytes, in the cos/sin row."""
-        return (stage + self.HEADER_BYTES + self.ROW_BYTES
-                + (lane - self.ROPE_FIRST_LANE) * 8 * self.PAIRS_PER_LANE)
+        :meth:`rotate_rope`: its 64 bytes of the cos/sin row."""
+        return self.cos_sin_row(stage) + (lane - self.ROPE_FIRST_LANE) * 4 * self.DIMS_PER_LANE
 
     @cute.jit
     def load_chunk(
@@ -358,17 +360,16 @@ class KvRopeInsert:
         if (cs_lane >= 0) & (slot >= 0):  # a skipped row's position: any value
             # the 256-byte row as is, by the last 16 lanes in one instruction (whole sectors)
             table = mCosSin.iterator.toint() + position * (4 * ROPE_DIM)
-            cs = stage + self.HEADER_BYTES + self.ROW_BYTES
-            du.cp_async_16(cs + 16 * cs_lane, table + 16 * cs_lane)
+            du.cp_async_16(self.cos_sin_row(stage) + 16 * cs_lane, table + 16 * cs_lane)
 
     @cute.jit
     def rotate_rope(self, stage: Int32, lane: Int32) -> None:
         """Lane ``j`` rotates GPT-J pair ``j`` (dims 448 + 2j, + 1) of the stage's row with its
         cos/sin (every lane one pair, where 4 RoPE lanes rotating 8 pairs each cost the warp
         8 rounds), and writes the result back into the stage: bf16 (RNE) into the row, or for
-        the fp8 cache the fp32 pair over the cos/sin row, which :meth:`cos_sin_addr` then
-        addresses as the RoPE lanes' 16 rotated values. The caller syncs the warp after."""
-        cs = stage + self.HEADER_BYTES + self.ROW_BYTES
+        the fp8 cache the fp32 pair over the cos/sin row, where :meth:`rotated_rope_dims`
+        finds the RoPE lanes' 16 rotated values. The caller syncs the warp after."""
+        cs = self.cos_sin_row(stage)
         pair_chunk = self.row_chunk(stage, (NOPE_DIM * 2 + 4 * lane) // 16) + 4 * (lane % 4)
         x_even, x_odd = du.unpack_bf16x2(du.load_shared_b32(pair_chunk))
         cos = du.load_shared_b32(cs + 4 * lane, Float32)
@@ -467,8 +468,7 @@ class KvRopeInsert:
                     tXrF = cute.make_rmem_tensor((8,), Float32)
                     for w in cutlass.range_constexpr(4):
                         tXrF[2 * w], tXrF[2 * w + 1] = du.unpack_bf16x2(tXrW[w])
-                    cos = (stage + self.HEADER_BYTES + self.ROW_BYTES
-                           + 16 * (lane - self.BF16_ROPE_FIRST_LANE))
+                    cos = self.cos_sin_row(stage) + 16 * (lane - self.BF16_ROPE_FIRST_LANE)
                     self.apply_rope(tXrF, cos, 4)
                     for w in cutlass.range_constexpr(4):
                         tXrW[w] = du.pack_bf16x2(tXrF[2 * w], tXrF[2 * w + 1])
