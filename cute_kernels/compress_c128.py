@@ -189,9 +189,13 @@ class CompressC128:
         t, in_range, pos, slot, kv_slot = self.load_tokens(mPos, mSlot, mKvSlot, cluster_id,
                                                            num_clusters, Int32(0), lane)
         # -- the issuing cursor: chunk, boundary tokens not yet issued whole, next half -------
-        issue_chunk = Int32(0)
         issue_mask, page0, page1 = self.lane_pages(
             mTokenReq, mBlockTable, t, pos, self.ballot(in_range, pos, slot, kv_slot), warp
+        )
+        # the first chunk may hold no boundary token while a later one does
+        issue_chunk, issue_mask, page0, page1 = self.skip_empty_chunks(
+            mTokenReq, mBlockTable, mPos, mSlot, mKvSlot, cluster_id, num_clusters, num_chunks,
+            Int32(0), issue_mask, page0, page1, lane, warp,
         )
         issue_half = Int32(0)
         for first_slot in cutlass.range_constexpr(self.RING):
@@ -377,18 +381,43 @@ class CompressC128:
                           tHsH[None, self.HALF_STEPS + i])
             half = 1 - half
             if half == 0:
-                mask = mask & (mask - Uint32(1))
-                while (mask == Uint32(0)) & (chunk + 1 < num_chunks):
-                    chunk = chunk + 1
-                    t, in_range, pos, slot, kv_slot = self.load_tokens(
-                        mPos, mSlot, mKvSlot, cluster_id, num_clusters, chunk, lane
-                    )
-                    mask, page0, page1 = self.lane_pages(
-                        mTokenReq, mBlockTable, t, pos, self.ballot(in_range, pos, slot, kv_slot),
-                        warp,
-                    )
+                chunk, mask, page0, page1 = self.skip_empty_chunks(
+                    mTokenReq, mBlockTable, mPos, mSlot, mKvSlot, cluster_id, num_clusters,
+                    num_chunks, chunk, mask & (mask - Uint32(1)), page0, page1, lane, warp,
+                )
         cute.arch.cp_async_commit_group()
         return chunk, mask, half, page0, page1
+
+    @cute.jit
+    def skip_empty_chunks(
+        self,
+        mTokenReq: cute.Tensor,
+        mBlockTable: cute.Tensor,
+        mPos: cute.Tensor,
+        mSlot: cute.Tensor,
+        mKvSlot: cute.Tensor,
+        cluster_id: Int32,
+        num_clusters: Int32,
+        num_chunks: Int32,
+        chunk: Int32,
+        mask: Uint32,
+        page0: Int32,
+        page1: Int32,
+        lane: Int32,
+        warp: Int32,
+    ) -> tuple:
+        """The issuing cursor's chunk, boundary mask and page ids, moved past chunks whose
+        boundary tokens are all issued (``mask`` empty) to the next one that has one, or to
+        the last chunk."""
+        while (mask == Uint32(0)) & (chunk + 1 < num_chunks):
+            chunk = chunk + 1
+            t, in_range, pos, slot, kv_slot = self.load_tokens(
+                mPos, mSlot, mKvSlot, cluster_id, num_clusters, chunk, lane
+            )
+            mask, page0, page1 = self.lane_pages(
+                mTokenReq, mBlockTable, t, pos, self.ballot(in_range, pos, slot, kv_slot), warp
+            )
+        return chunk, mask, page0, page1
 
     @cute.jit
     def pool_rows(

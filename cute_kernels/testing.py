@@ -142,15 +142,15 @@ def c128_page_stride(fmt: CacheFormat, kv_block_size: int) -> int:
 
 def compress_c128_case(
     fmt: CacheFormat | str, num_tokens: int, kv_block_size: int, device, *, seed: int = 0,
-    boundary_every: int | None = 3, num_requests: int = 4, windows: int = 8,
-    negative_slots: bool = True, norm_dtype=torch.bfloat16,
+    boundary_every: int | None = 3, boundary_from: int = 0, num_requests: int = 4,
+    windows: int = 8, negative_slots: bool = True, norm_dtype=torch.bfloat16,
     page_stride: int = STATE_PAGE_STRIDE, distinct_windows: bool = False,
 ) -> CompressC128Case:
     """Permuted state pages with a padded page stride, boundary and non-boundary tokens,
     negative slots, a poisoned paged cache. ``boundary_every``: every n-th token sits on a
-    boundary (None: every token; 0: none). ``distinct_windows``: token t reads its own window
-    (request t % R, window t // R), so no two tokens share state rows (honest bandwidth in the
-    benchmark)."""
+    boundary (None: every token; 0: none), from token ``boundary_from`` on.
+    ``distinct_windows``: token t reads its own window (request t % R, window t // R), so no
+    two tokens share state rows (honest bandwidth in the benchmark)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     t = torch.arange(num_tokens, device=device)
     if distinct_windows:
@@ -177,6 +177,7 @@ def compress_c128_case(
         on_boundary = torch.zeros_like(t, dtype=torch.bool)
     else:
         on_boundary = t % boundary_every == boundary_every - 1
+    on_boundary &= t >= boundary_from
     positions = torch.where(on_boundary, window * 128 + 127, positions)
     slot_mapping = t.clone()
     fmt = CacheFormat(fmt)

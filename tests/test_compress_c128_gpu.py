@@ -126,6 +126,18 @@ def test_matches_float64_reference(fmt, num_tokens, kv_block_size):
     assert torch.equal(case.backing.view(torch.uint8), first.view(torch.uint8)), "determinism"
 
 
+@pytest.mark.parametrize("boundary_from", [1000, 2048, 4000])
+@pytest.mark.parametrize("fmt", ["v4_packed", "bf16"])
+def test_boundaries_after_empty_chunks(fmt, boundary_from):
+    """No boundary token in a cluster's first chunks (32 of its tokens each): the issuing
+    cursor walks past them to the first chunk that has one (4000: only the last)."""
+    case = make_case(fmt, 4096, 2, "cuda", seed=boundary_from, boundary_from=boundary_from)
+    assert bool(case.boundary.any()) and not bool(case.boundary[:boundary_from].any())
+    cute_kernels.compress_c128(*case.args())
+    torch.cuda.synchronize()
+    _check(case, case.backing)
+
+
 @pytest.mark.parametrize("norm_dtype", [torch.float32, torch.bfloat16])
 def test_norm_weight_dtypes(norm_dtype):
     case = make_case("v4_packed", 200, 2, "cuda", norm_dtype=norm_dtype)
