@@ -82,12 +82,13 @@ class CompressC128:
     distributed shared memory (one float per CTA, summed in rank order, so every CTA gets the same
     bits); everything else is CTA-local, so the whole op is one launch.
 
-    The grid is persistent: ``num_clusters`` clusters stride over the tokens in chunks of 32. A
-    warp tests a chunk's 32 tokens at once (one load each) and a ballot lists the boundary
-    tokens, so a token that is not on a boundary costs a fraction of one load, and no CTA is
-    launched per token. Two cursors walk the same list: the issuing one (which also reads each
-    boundary lane's page ids, all 32 in parallel) runs three halves ahead of the pooling one,
-    across chunk ends.
+    The grid is persistent: each of ``num_clusters`` clusters owns a contiguous range of the
+    tokens and walks it in chunks of 32. A warp tests a chunk's 32 tokens at once (one load of
+    each index tensor) and a ballot lists the boundary tokens, so a token that is not on a
+    boundary costs a fraction of one load, and no CTA is launched per token. Only the issuing
+    cursor walks the tokens (reading each boundary lane's page ids, all 32 in parallel); it
+    runs three halves ahead across chunk ends and hands each window it starts (its first
+    position and record slot) to the pooling cursor through shared memory.
     """
 
     CLUSTER = HEAD_DIM // GROUP  # 8 CTAs: one per 64 columns
@@ -102,6 +103,7 @@ class CompressC128:
     HALF_CHUNKS = 2 * HALF_STEPS  # 16-byte chunks a thread stages per half: 4 kv + 4 score
     # Half-window slots: 96 KiB per CTA, two CTAs in the SM's 228 KiB.
     RING = 3
+    QUEUE = 4  # windows the issuing cursor has started and the pooling one not yet stored
 
     def __init__(self, fmt: CacheFormat) -> None:
         self.fmt = fmt  # the norm weight's dtype only changes the argument type, not the body
@@ -166,6 +168,10 @@ class CompressC128:
         sStat = smem.allocate_tensor(Float32, stat_layout, byte_alignment=16)
         # this CTA's sum of squares, double-buffered by token parity (peers read it remotely)
         sSumSq = smem.allocate_tensor(Float32, cute.make_layout(2), byte_alignment=8)
+        # the issued windows' first positions and record slots, for warp 0 (the issuing
+        # cursor is at most 3 windows ahead of the pooling one)
+        sWindows = smem.allocate_tensor(Int64, cute.make_layout((2, self.QUEUE), stride=(1, 2)),
+                                        byte_alignment=16)
         # The ring of half windows: 16-byte chunk c of thread i in slot s at
         # ((s * HALF_CHUNKS + c) * threads + i) * 16 bytes, so a warp's 32 chunks are 512
         # contiguous bytes (no bank conflicts either way).
@@ -183,27 +189,33 @@ class CompressC128:
         g2s = du.cp_async_atom(Float32)
 
         num_tokens = mPos.shape[0]
-        per_cluster = (num_tokens - cluster_id + num_clusters - 1) // num_clusters
-        num_chunks = (per_cluster + 31) // 32
-        # the first chunk's tokens, for both cursors
-        t, in_range, pos, slot, kv_slot = self.load_tokens(mPos, mSlot, mKvSlot, cluster_id,
-                                                           num_clusters, Int32(0), lane)
-        # -- the issuing cursor: chunk, boundary tokens not yet issued whole, next half -------
-        issue_mask, page0, page1 = self.lane_pages(
-            mTokenReq, mBlockTable, t, pos, self.ballot(in_range, pos, slot, kv_slot), warp
+        # Each cluster owns a contiguous range of tokens, the ranges' lengths within one of
+        # each other: a prefill's boundary tokens (one in 128) spread evenly over the clusters
+        # (a stride of 30 would give them to the 15 odd ones only), and a warp's 32 token
+        # loads are contiguous.
+        first_token = Int32(Int64(cluster_id) * num_tokens // num_clusters)
+        end_token = Int32(Int64(cluster_id + 1) * num_tokens // num_clusters)
+        num_chunks = (end_token - first_token + 31) // 32
+        # -- the issuing cursor: chunk, its boundary tokens not yet issued whole (mask), their
+        # pages, next half. It alone walks the tokens and hands each window it starts to the
+        # pooling cursor through sWindows (warp 0 stores the records).
+        mask, page0, page1, window_start, kv_slot = self.scan_chunk(
+            mTokenReq, mBlockTable, mPos, mSlot, mKvSlot, first_token, end_token, Int32(0),
+            lane, warp,
         )
         # the first chunk may hold no boundary token while a later one does
-        issue_chunk, issue_mask, page0, page1 = self.skip_empty_chunks(
-            mTokenReq, mBlockTable, mPos, mSlot, mKvSlot, cluster_id, num_clusters, num_chunks,
-            Int32(0), issue_mask, page0, page1, lane, warp,
+        chunk, mask, page0, page1, window_start, kv_slot = self.skip_empty_chunks(
+            mTokenReq, mBlockTable, mPos, mSlot, mKvSlot, first_token, end_token, num_chunks,
+            Int32(0), mask, page0, page1, window_start, kv_slot, lane, warp,
         )
         issue_half = Int32(0)
+        issued = Int32(0)  # windows whose first half is issued
         for first_slot in cutlass.range_constexpr(self.RING):
-            issue_chunk, issue_mask, issue_half, page0, page1 = self.issue(
+            chunk, mask, page0, page1, window_start, kv_slot, issue_half, issued = self.issue(
                 g2s, mState, mTokenReq, mBlockTable, mPos, mSlot, mKvSlot,
-                tRsR[None, None, first_slot],
-                cluster_id, num_clusters, num_chunks, issue_chunk, issue_mask, issue_half, page0,
-                page1, rank, lane, warp,
+                tRsR[None, None, first_slot], sWindows, first_token, end_token, num_chunks,
+                chunk, mask, page0, page1, window_start, kv_slot, issue_half, issued, rank, lane,
+                warp,
             )
 
         # The record's per-lane constants, read once (not on each token's store path) and
@@ -216,65 +228,57 @@ class CompressC128:
         if const_expr(self.fmt is CacheFormat.FP8):
             fp8_inv_scale = du.div_rn(Float32(1.0), mScale[0])
 
-        # -- the pooling cursor ---------------------------------------------------------------
+        # -- the pooling cursor: the issued windows in order ----------------------------------
         tKrK = self.make_window_fragment()
         tSrS = self.make_window_fragment()
         ring_slot = Int32(0)
         processed = Int32(0)
-        for chunk in cutlass.range(num_chunks):
-            mask = self.ballot(in_range, pos, slot, kv_slot)
-            chunk_pos = pos
-            chunk_kv_slot = kv_slot
-            # the next chunk's tokens are in flight while this one is pooled
-            _, in_range, pos, slot, kv_slot = self.load_tokens(mPos, mSlot, mKvSlot, cluster_id,
-                                                               num_clusters, chunk + 1, lane)
-            for _ in cutlass.range(cute.arch.popc(mask)):
-                src = self.lowest_lane(mask)
-                mask = mask & (mask - Uint32(1))
-                token_pos = cute.arch.shuffle_sync(chunk_pos, offset=src)
-                token_kv_slot = cute.arch.shuffle_sync(chunk_kv_slot, offset=src)
-                window_start = token_pos - (C128_RATIO - 1)
-                cos_sin = cute.make_rmem_tensor((2,), Float32)
-                cos_sin.fill(0.0)
-                if warp == 0 and rank == self.CLUSTER - 1:
+        while processed < issued:
+            token_kv_slot = Int64(-1)
+            cos_sin = cute.make_rmem_tensor((2,), Float32)
+            cos_sin.fill(0.0)
+            if warp == 0:
+                cute.arch.sync_warp()  # the issuing lane's sWindows entry
+                token_start = sWindows[0, processed % self.QUEUE]
+                token_kv_slot = sWindows[1, processed % self.QUEUE]
+                if rank == self.CLUSTER - 1:
                     # the RoPE pair's cos/sin, in flight through the pooling
-                    cos_sin[0] = mCosSin[window_start, lane]
-                    cos_sin[1] = mCosSin[window_start, ROPE_DIM // 2 + lane]
-                for half in cutlass.range_constexpr(2):
-                    # Only this thread's own copies are read back: its wait_group is the only
-                    # sync. The two newer groups (the halves behind this one) stay in flight.
-                    cute.arch.cp_async_wait_group(self.RING - 1)
-                    tHsH = tRsR[None, None, ring_slot]
-                    for i in cutlass.range_constexpr(self.HALF_STEPS):
-                        step = half * self.HALF_STEPS + i
-                        cute.autovec_copy(tHsH[None, i], tKrK[step, None])
-                        cute.autovec_copy(tHsH[None, self.HALF_STEPS + i], tSrS[step, None])
-                    issue_chunk, issue_mask, issue_half, page0, page1 = self.issue(
-                        g2s, mState, mTokenReq, mBlockTable, mPos, mSlot, mKvSlot, tHsH,
-                        cluster_id, num_clusters, num_chunks, issue_chunk, issue_mask,
-                        issue_half, page0, page1, rank, lane, warp,
-                    )
-                    ring_slot = cutlass.select_(ring_slot == self.RING - 1, Int32(0),
-                                                ring_slot + 1)
-                self.pool_rows(tKrK, tSrS, sStat, warp, lane)
-                parity = processed % 2
-                x = cute.make_rmem_tensor((2,), Float32)
-                if warp == 0:
-                    self.merge_warps(sStat, sSumSq, x, parity, lane)
-                    # release: the partial sum is visible to the peers after their wait (and
-                    # warp 0 is done with sStat before any warp rewrites it)
-                    cute.arch.cluster_arrive()
-                if warp != 0:
-                    # these warps published nothing: a relaxed arrive orders nothing, so it
-                    # cannot wait on anything still in flight
-                    cute.arch.cluster_arrive_relaxed()
-                cute.arch.cluster_wait()
-                if warp == 0:
-                    self.normalize_store(
-                        x, norm_w, eps, cos_sin, fp8_inv_scale, mCache, sSumSq, token_kv_slot,
-                        parity, rank, lane,
-                    )
-                processed = processed + 1
+                    cos_sin[0] = mCosSin[token_start, lane]
+                    cos_sin[1] = mCosSin[token_start, ROPE_DIM // 2 + lane]
+            for half in cutlass.range_constexpr(2):
+                # Only this thread's own copies are read back: its wait_group is the only
+                # sync. The two newer groups (the halves behind this one) stay in flight.
+                cute.arch.cp_async_wait_group(self.RING - 1)
+                tHsH = tRsR[None, None, ring_slot]
+                for i in cutlass.range_constexpr(self.HALF_STEPS):
+                    step = half * self.HALF_STEPS + i
+                    cute.autovec_copy(tHsH[None, i], tKrK[step, None])
+                    cute.autovec_copy(tHsH[None, self.HALF_STEPS + i], tSrS[step, None])
+                chunk, mask, page0, page1, window_start, kv_slot, issue_half, issued = self.issue(
+                    g2s, mState, mTokenReq, mBlockTable, mPos, mSlot, mKvSlot, tHsH, sWindows,
+                    first_token, end_token, num_chunks, chunk, mask, page0, page1,
+                    window_start, kv_slot, issue_half, issued, rank, lane, warp,
+                )
+                ring_slot = cutlass.select_(ring_slot == self.RING - 1, Int32(0), ring_slot + 1)
+            self.pool_rows(tKrK, tSrS, sStat, warp, lane)
+            parity = processed % 2
+            x = cute.make_rmem_tensor((2,), Float32)
+            if warp == 0:
+                self.merge_warps(sStat, sSumSq, x, parity, lane)
+                # release: the partial sum is visible to the peers after their wait (and
+                # warp 0 is done with sStat before any warp rewrites it)
+                cute.arch.cluster_arrive()
+            if warp != 0:
+                # these warps published nothing: a relaxed arrive orders nothing, so it
+                # cannot wait on anything still in flight
+                cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+            if warp == 0:
+                self.normalize_store(
+                    x, norm_w, eps, cos_sin, fp8_inv_scale, mCache, sSumSq, token_kv_slot,
+                    parity, rank, lane,
+                )
+            processed = processed + 1
         # A CTA's shared memory must outlive its peers' last remote read.
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
@@ -292,52 +296,42 @@ class CompressC128:
         return Int32(cute.arch.popc((mask & (Uint32(0) - mask)) - Uint32(1)))
 
     @cute.jit
-    def load_tokens(
-        self,
-        mPos: cute.Tensor,
-        mSlot: cute.Tensor,
-        mKvSlot: cute.Tensor,
-        cluster_id: Int32,
-        num_clusters: Int32,
-        chunk: Int32,
-        lane: Int32,
-    ) -> tuple:
-        """Lane ``l`` loads token ``cluster_id + (32 chunk + l) * num_clusters`` of the chunk:
-        its index (0 when out of range), whether it is in range, its position, state slot and
-        record slot. Plain loads: nothing waits for them before :meth:`ballot`."""
-        num_tokens = mPos.shape[0]
-        t = cluster_id + (chunk * 32 + lane) * num_clusters
-        in_range = t < num_tokens
-        t_safe = cutlass.select_(in_range, t, Int32(0))
-        return t_safe, in_range, mPos[t_safe], mSlot[t_safe], mKvSlot[t_safe]
-
-    @staticmethod
-    def ballot(in_range: cutlass.Boolean, pos: Int64, slot: Int64, kv_slot: Int64) -> Uint32:
-        """The lanes whose token is on a boundary with both slots set."""
-        is_boundary = in_range & (slot >= 0) & (kv_slot >= 0) & ((pos + 1) % C128_RATIO == 0)
-        return Uint32(cute.arch.vote_ballot_sync(is_boundary))
-
-    @cute.jit
-    def lane_pages(
+    def scan_chunk(
         self,
         mTokenReq: cute.Tensor,
         mBlockTable: cute.Tensor,
-        t: Int32,
-        pos: Int64,
-        mask: Uint32,
+        mPos: cute.Tensor,
+        mSlot: cute.Tensor,
+        mKvSlot: cute.Tensor,
+        first_token: Int32,
+        end_token: Int32,
+        chunk: Int32,
+        lane: Int32,
         warp: Int32,
     ) -> tuple:
-        """For each boundary lane's token the two state pages of its window that warp ``warp``
-        reads (all 32 lanes' request and block-table reads in parallel: two round trips per
-        chunk, not per window); ``mask`` passes through."""
+        """The boundary tokens of chunk ``chunk``: lane ``l`` loads token ``first_token + 32
+        chunk + l`` if it is below ``end_token`` (request, position and both slots at once: one
+        round trip), a ballot lists the boundary lanes (``mask``), and each boundary lane reads the
+        two state pages of its window that warp ``warp`` copies (all lanes in parallel: the
+        second round trip). Returns ``mask, page0, page1`` and the lane's window start and
+        record slot."""
+        t = first_token + chunk * 32 + lane
+        in_range = t < end_token
+        t_safe = cutlass.select_(in_range, t, Int32(0))
+        request = mTokenReq[t_safe]
+        pos = mPos[t_safe]
+        slot = mSlot[t_safe]
+        kv_slot = mKvSlot[t_safe]
+        is_boundary = in_range & (slot >= 0) & (kv_slot >= 0) & ((pos + 1) % C128_RATIO == 0)
+        mask = Uint32(cute.arch.vote_ballot_sync(is_boundary))
+        window_start = pos - (C128_RATIO - 1)
         page0 = Int32(0)
         page1 = Int32(0)
-        if (mask >> Uint32(cute.arch.lane_idx())) & Uint32(1) != Uint32(0):
-            request = mTokenReq[t]
-            first_page = Int32((pos - (C128_RATIO - 1)) // C128_STATE_BLOCK) + 2 * warp
+        if (mask >> Uint32(lane)) & Uint32(1) != Uint32(0):
+            first_page = Int32(window_start // C128_STATE_BLOCK) + 2 * warp
             page0 = mBlockTable[request, first_page]
             page1 = mBlockTable[request, first_page + 1]
-        return mask, page0, page1
+        return mask, page0, page1, window_start, kv_slot
 
     @cute.jit
     def issue(
@@ -350,23 +344,28 @@ class CompressC128:
         mSlot: cute.Tensor,
         mKvSlot: cute.Tensor,
         tHsH: cute.Tensor,
-        cluster_id: Int32,
-        num_clusters: Int32,
+        sWindows: cute.Tensor,
+        first_token: Int32,
+        end_token: Int32,
         num_chunks: Int32,
         chunk: Int32,
         mask: Uint32,
-        half: Int32,
         page0: Int32,
         page1: Int32,
+        window_start: Int64,
+        kv_slot: Int64,
+        half: Int32,
+        issued: Int32,
         rank: Int32,
         lane: Int32,
         warp: Int32,
     ) -> tuple:
         """The issuing cursor's step: start copying the next half window into ``tHsH`` (this
         lane's 4 columns of kv and score for its 4 rows of one state page: 8 independent 16-byte
-        copies), then advance — past the chunk's last boundary token to the next chunk that has
-        one. One commit group per step, empty once every window is issued, so that the pooling
-        cursor's ``wait_group`` count is the same at every step."""
+        copies), handing a new window's start and record slot to warp 0 through ``sWindows``,
+        then advance — past the chunk's last boundary token to the next chunk that has one. One
+        commit group per step, empty once every window is issued, so that the pooling cursor's
+        ``wait_group`` count is the same at every step."""
         if mask != Uint32(0):
             src = self.lowest_lane(mask)
             page = cute.arch.shuffle_sync(cutlass.select_(half == 0, page0, page1), offset=src)
@@ -379,14 +378,20 @@ class CompressC128:
                           tHsH[None, i])
                 cute.copy(g2s, cute.local_tile(gRow, (self.COLS_PER_LANE,), (score_tile,)),
                           tHsH[None, self.HALF_STEPS + i])
+            if half == 0:
+                if warp == 0 and lane == src:
+                    sWindows[0, issued % self.QUEUE] = window_start
+                    sWindows[1, issued % self.QUEUE] = kv_slot
+                issued = issued + 1
             half = 1 - half
             if half == 0:
-                chunk, mask, page0, page1 = self.skip_empty_chunks(
-                    mTokenReq, mBlockTable, mPos, mSlot, mKvSlot, cluster_id, num_clusters,
-                    num_chunks, chunk, mask & (mask - Uint32(1)), page0, page1, lane, warp,
+                chunk, mask, page0, page1, window_start, kv_slot = self.skip_empty_chunks(
+                    mTokenReq, mBlockTable, mPos, mSlot, mKvSlot, first_token, end_token,
+                    num_chunks, chunk, mask & (mask - Uint32(1)), page0, page1, window_start,
+                    kv_slot, lane, warp,
                 )
         cute.arch.cp_async_commit_group()
-        return chunk, mask, half, page0, page1
+        return chunk, mask, page0, page1, window_start, kv_slot, half, issued
 
     @cute.jit
     def skip_empty_chunks(
@@ -396,28 +401,28 @@ class CompressC128:
         mPos: cute.Tensor,
         mSlot: cute.Tensor,
         mKvSlot: cute.Tensor,
-        cluster_id: Int32,
-        num_clusters: Int32,
+        first_token: Int32,
+        end_token: Int32,
         num_chunks: Int32,
         chunk: Int32,
         mask: Uint32,
         page0: Int32,
         page1: Int32,
+        window_start: Int64,
+        kv_slot: Int64,
         lane: Int32,
         warp: Int32,
     ) -> tuple:
-        """The issuing cursor's chunk, boundary mask and page ids, moved past chunks whose
-        boundary tokens are all issued (``mask`` empty) to the next one that has one, or to
-        the last chunk."""
+        """The issuing cursor's chunk and its :meth:`scan_chunk` values, moved past chunks
+        whose boundary tokens are all issued (``mask`` empty) to the next one that has one, or
+        to the last chunk."""
         while (mask == Uint32(0)) & (chunk + 1 < num_chunks):
             chunk = chunk + 1
-            t, in_range, pos, slot, kv_slot = self.load_tokens(
-                mPos, mSlot, mKvSlot, cluster_id, num_clusters, chunk, lane
+            mask, page0, page1, window_start, kv_slot = self.scan_chunk(
+                mTokenReq, mBlockTable, mPos, mSlot, mKvSlot, first_token, end_token, chunk,
+                lane, warp,
             )
-            mask, page0, page1 = self.lane_pages(
-                mTokenReq, mBlockTable, t, pos, self.ballot(in_range, pos, slot, kv_slot), warp
-            )
-        return chunk, mask, page0, page1
+        return chunk, mask, page0, page1, window_start, kv_slot
 
     @cute.jit
     def pool_rows(
