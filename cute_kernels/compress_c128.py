@@ -79,8 +79,9 @@ class CompressC128:
     the one after it are in flight, and the stream never waits for a window to be consumed
     whole. A lane keeps (max, sum e, sum kv * e) per column; half-warps merge through shuffles,
     warps through shared memory. The RMSNorm's sum of squares crosses the cluster through
-    distributed shared memory (one float per CTA, summed in rank order, so every CTA gets the same
-    bits); everything else is CTA-local, so the whole op is one launch.
+    distributed shared memory (each CTA stores its one float into every CTA before the cluster
+    barrier; each sums the 8 in rank order, so every CTA gets the same bits); everything else
+    is CTA-local, so the whole op is one launch.
 
     The grid is persistent: each of ``num_clusters`` clusters owns a contiguous range of the
     tokens and walks it in chunks of 32. A warp tests a chunk's 32 tokens at once (one load of
@@ -166,8 +167,12 @@ class CompressC128:
             (3, self.WARPS, GROUP), stride=(self.WARPS * GROUP, GROUP, 1)
         )
         sStat = smem.allocate_tensor(Float32, stat_layout, byte_alignment=16)
-        # this CTA's sum of squares, double-buffered by token parity (peers read it remotely)
-        sSumSq = smem.allocate_tensor(Float32, cute.make_layout(2), byte_alignment=8)
+        # every CTA's sum of squares, double-buffered by window parity: each CTA writes its
+        # own into entry [parity, rank] of every CTA of the cluster (its own included)
+        sSumSq = smem.allocate_tensor(
+            Float32, cute.make_layout((self.CLUSTER, 2), stride=(1, self.CLUSTER)),
+            byte_alignment=16,
+        )
         # the issued windows' first positions and record slots, for warp 0 (the issuing
         # cursor is at most 3 windows ahead of the pooling one)
         sWindows = smem.allocate_tensor(Int64, cute.make_layout((2, self.QUEUE), stride=(1, 2)),
@@ -264,9 +269,9 @@ class CompressC128:
             parity = processed % 2
             x = cute.make_rmem_tensor((2,), Float32)
             if warp == 0:
-                self.merge_warps(sStat, sSumSq, x, parity, lane)
-                # release: the partial sum is visible to the peers after their wait (and
-                # warp 0 is done with sStat before any warp rewrites it)
+                self.merge_warps(sStat, sSumSq, x, parity, rank, lane)
+                # release: the partial sums written into the peers are visible to them after
+                # their wait (and warp 0 is done with sStat before any warp rewrites it)
                 cute.arch.cluster_arrive()
             if warp != 0:
                 # these warps published nothing: a relaxed arrive orders nothing, so it
@@ -279,9 +284,8 @@ class CompressC128:
                     parity, rank, lane,
                 )
             processed = processed + 1
-        # A CTA's shared memory must outlive its peers' last remote read.
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
+        # No barrier before exit: no CTA reads a peer's shared memory, and the last writes
+        # into this CTA's landed before the last window's wait.
 
     @cute.jit
     def make_window_fragment(self) -> cute.Tensor:
@@ -456,10 +460,13 @@ class CompressC128:
 
     @cute.jit
     def merge_warps(
-        self, sStat: cute.Tensor, sSumSq: cute.Tensor, x: cute.Tensor, parity: Int32, lane: Int32
+        self, sStat: cute.Tensor, sSumSq: cute.Tensor, x: cute.Tensor, parity: Int32,
+        rank: Int32, lane: Int32,
     ) -> None:
         """Warp 0: merge the 8 warps' triples into the pooled values ``x`` of columns
-        ``2 lane, 2 lane + 1`` and publish the CTA's sum of squares in ``sSumSq[parity]``."""
+        ``2 lane, 2 lane + 1`` and write the CTA's sum of squares into ``sSumSq[rank,
+        parity]`` of every CTA of the cluster (lane ``p`` into CTA ``p``: remote stores, so
+        that after the barrier every CTA reads only its own shared memory)."""
         for c in cutlass.range_constexpr(2):
             col = 2 * lane + c
             total_max = sStat[0, 0, col]
@@ -475,8 +482,9 @@ class CompressC128:
         sum_sq = x[0] * x[0] + x[1] * x[1]
         for offset in (16, 8, 4, 2, 1):
             sum_sq = sum_sq + cute.arch.shuffle_sync_bfly(sum_sq, offset=offset)
-        if lane == 0:
-            sSumSq[parity] = sum_sq
+        if lane < self.CLUSTER:
+            du.store_peer_f32(Int32((sSumSq.iterator + rank + self.CLUSTER * parity).toint()),
+                              lane, sum_sq)
 
     @cute.jit
     def normalize_store(
@@ -493,12 +501,12 @@ class CompressC128:
         rank: Int32,
         lane: Int32,
     ) -> None:
-        """Warp 0, after the cluster barrier: sum the 8 CTAs' partial sums (distributed shared
-        memory, fixed order: the same bits in every CTA), RMSNorm, then quantise/rotate/store."""
-        slot_addr = Int32((sSumSq.iterator + parity).toint())
-        partial = du.load_peer_f32(slot_addr, lane % self.CLUSTER)
-        if lane >= self.CLUSTER:
-            partial = Float32(0.0)
+        """Warp 0, after the cluster barrier: sum the 8 CTAs' partial sums (written into this
+        CTA's shared memory by each; a fixed order: the same bits in every CTA), RMSNorm, then
+        quantise/rotate/store."""
+        partial = Float32(0.0)
+        if lane < self.CLUSTER:
+            partial = sSumSq[lane, parity]
         for offset in (4, 2, 1):
             partial = partial + cute.arch.shuffle_sync_bfly(partial, offset=offset)
         total = cute.arch.shuffle_sync(partial, offset=0)

@@ -375,18 +375,18 @@ def load_shared_i64(smem_addr: Int32) -> Int64:
                                 read_only_args=[smem_addr])
 
 
-def load_peer_f32(smem_addr: Int32, peer_rank: Int32) -> Float32:
-    """Read an fp32 from the same shared-memory offset of CTA ``peer_rank`` of this cluster
-    (distributed shared memory). Needs a cluster barrier between the peer's write and this read."""
-    value = llvm.inline_asm(
-        Float32.mlir_type,
-        [Int32(smem_addr).ir_value(), Int32(peer_rank).ir_value()],
-        "{ .reg .b32 remote; mapa.shared::cluster.u32 remote, $1, $2;"
-        " ld.shared::cluster.f32 $0, [remote]; }",
-        "=f,r,r",
+def store_peer_f32(smem_addr: Int32, peer_rank: Int32, value: Float32) -> None:
+    """Write an fp32 to the same shared-memory offset of CTA ``peer_rank`` of this cluster
+    (distributed shared memory). A release cluster barrier after it orders it before the
+    peer's acquire wait."""
+    llvm.inline_asm(
+        None,
+        [Int32(smem_addr).ir_value(), Int32(peer_rank).ir_value(), Float32(value).ir_value()],
+        "{ .reg .b32 remote; mapa.shared::cluster.u32 remote, $0, $1;"
+        " st.shared::cluster.f32 [remote], $2; }",
+        "r,r,f",
         has_side_effects=True,
     )
-    return Float32(value)
 
 
 def load_peer_v4(smem_addr: Int32, peer_rank: Int32) -> tuple:
