@@ -192,6 +192,10 @@ class CompressC128:
         )
         tRsR = sRing[None, None, None, warp * 32 + lane]  # this thread's (4, 8, RING) chunks
         g2s = du.cp_async_atom(Float32)
+        # A CTA may write into a peer's shared memory only once the peer has started: every
+        # thread arrives here and waits before the pooling cursor (by then the peers have
+        # long entered, so the wait is short, and the first copies are already in flight).
+        cute.arch.cluster_arrive_relaxed()
 
         num_tokens = mPos.shape[0]
         # Each cluster owns a contiguous range of tokens, the ranges' lengths within one of
@@ -232,6 +236,8 @@ class CompressC128:
         fp8_inv_scale = Float32(1.0)
         if const_expr(self.fmt is CacheFormat.FP8):
             fp8_inv_scale = du.div_rn(Float32(1.0), mScale[0])
+
+        cute.arch.cluster_wait()  # every CTA of the cluster has started (see above)
 
         # -- the pooling cursor: the issued windows in order ----------------------------------
         tKrK = self.make_window_fragment()
