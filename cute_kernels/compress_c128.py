@@ -67,6 +67,48 @@ class CompressC128Key:
     arch: str
 
 
+@dataclasses.dataclass(frozen=True)
+class ClusterTokens:
+    """What the issuing cursor walks: the index tensors and this cluster's contiguous range of
+    tokens ``[first, end)``, in chunks of 32 (``num_chunks``), seen from lane ``lane`` of warp
+    ``warp``."""
+
+    mTokenReq: cute.Tensor
+    mBlockTable: cute.Tensor
+    mPos: cute.Tensor
+    mSlot: cute.Tensor
+    mKvSlot: cute.Tensor
+    first: Int32
+    end: Int32
+    num_chunks: Int32
+    lane: Int32
+    warp: Int32
+
+
+class IssueCursor:
+    """The issuing cursor, a loop-carried value: its chunk, the chunk's boundary lanes not yet
+    issued whole (``mask``), this lane's window's two state pages, start and record slot, the
+    next half to issue, and how many windows it has started (``issued``)."""
+
+    TYPES = (Int32, Uint32, Int32, Int32, Int64, Int64, Int32, Int32)
+
+    def __init__(self, chunk: Int32, mask: Uint32, page0: Int32, page1: Int32,
+                 window_start: Int64, kv_slot: Int64, half: Int32, issued: Int32) -> None:
+        self.chunk, self.mask, self.page0, self.page1 = chunk, mask, page0, page1
+        self.window_start, self.kv_slot, self.half, self.issued = (window_start, kv_slot, half,
+                                                                   issued)
+
+    def values(self) -> tuple:
+        return (self.chunk, self.mask, self.page0, self.page1, self.window_start, self.kv_slot,
+                self.half, self.issued)
+
+    def __extract_mlir_values__(self) -> list:
+        return [kind(v).ir_value() for kind, v in zip(self.TYPES, self.values(), strict=True)]
+
+    def __new_from_mlir_values__(self, values: list) -> IssueCursor:
+        return IssueCursor(*(kind(v) for kind, v in zip(self.TYPES, values, strict=True)))
+
+
 class CompressC128:
     """A cluster of 8 CTAs per boundary token; CTA ``r`` of the cluster owns columns
     ``[64r, 64r + 64)`` — exactly one UE8M0 group (CTA 7: the 64 RoPE dims).
@@ -204,28 +246,17 @@ class CompressC128:
         # loads are contiguous.
         first_token = Int32(Int64(cluster_id) * num_tokens // num_clusters)
         end_token = Int32(Int64(cluster_id + 1) * num_tokens // num_clusters)
-        num_chunks = (end_token - first_token + 31) // 32
-        # -- the issuing cursor: chunk, its boundary tokens not yet issued whole (mask), their
-        # pages, next half. It alone walks the tokens and hands each window it starts to the
-        # pooling cursor through sWindows (warp 0 stores the records).
-        mask, page0, page1, window_start, kv_slot = self.scan_chunk(
-            mTokenReq, mBlockTable, mPos, mSlot, mKvSlot, first_token, end_token, Int32(0),
-            lane, warp,
-        )
+        tokens = ClusterTokens(mTokenReq, mBlockTable, mPos, mSlot, mKvSlot, first_token,
+                               end_token, (end_token - first_token + 31) // 32, lane, warp)
+        # -- the issuing cursor: it alone walks the tokens and hands each window it starts to
+        # the pooling cursor through sWindows (warp 0 stores the records)
+        mask, page0, page1, window_start, kv_slot = self.scan_chunk(tokens, Int32(0))
         # the first chunk may hold no boundary token while a later one does
-        chunk, mask, page0, page1, window_start, kv_slot = self.skip_empty_chunks(
-            mTokenReq, mBlockTable, mPos, mSlot, mKvSlot, first_token, end_token, num_chunks,
-            Int32(0), mask, page0, page1, window_start, kv_slot, lane, warp,
-        )
-        issue_half = Int32(0)
-        issued = Int32(0)  # windows whose first half is issued
+        cursor = self.skip_empty_chunks(tokens, IssueCursor(
+            Int32(0), mask, page0, page1, window_start, kv_slot, Int32(0), Int32(0)))
         for first_slot in cutlass.range_constexpr(self.RING):
-            chunk, mask, page0, page1, window_start, kv_slot, issue_half, issued = self.issue(
-                g2s, mState, mTokenReq, mBlockTable, mPos, mSlot, mKvSlot,
-                tRsR[None, None, first_slot], sWindows, first_token, end_token, num_chunks,
-                chunk, mask, page0, page1, window_start, kv_slot, issue_half, issued, rank, lane,
-                warp,
-            )
+            cursor = self.issue(g2s, mState, tRsR[None, None, first_slot], sWindows, tokens,
+                                cursor, rank)
 
         # The record's per-lane constants, read once (not on each token's store path) and
         # after the first copies are on their way: the norm weights of dims 64 rank + 2 lane,
@@ -244,7 +275,7 @@ class CompressC128:
         tSrS = self.make_window_fragment()
         ring_slot = Int32(0)
         processed = Int32(0)
-        while processed < issued:
+        while processed < cursor.issued:
             token_kv_slot = Int64(-1)
             cos_sin = cute.make_rmem_tensor((2,), Float32)
             cos_sin.fill(0.0)
@@ -265,11 +296,7 @@ class CompressC128:
                     step = half * self.HALF_STEPS + i
                     cute.autovec_copy(tHsH[None, i], tKrK[step, None])
                     cute.autovec_copy(tHsH[None, self.HALF_STEPS + i], tSrS[step, None])
-                chunk, mask, page0, page1, window_start, kv_slot, issue_half, issued = self.issue(
-                    g2s, mState, mTokenReq, mBlockTable, mPos, mSlot, mKvSlot, tHsH, sWindows,
-                    first_token, end_token, num_chunks, chunk, mask, page0, page1,
-                    window_start, kv_slot, issue_half, issued, rank, lane, warp,
-                )
+                cursor = self.issue(g2s, mState, tHsH, sWindows, tokens, cursor, rank)
                 ring_slot = cutlass.select_(ring_slot == self.RING - 1, Int32(0), ring_slot + 1)
             self.pool_rows(tKrK, tSrS, sStat, warp, lane)
             parity = processed % 2
@@ -306,41 +333,29 @@ class CompressC128:
         return Int32(cute.arch.popc((mask & (Uint32(0) - mask)) - Uint32(1)))
 
     @cute.jit
-    def scan_chunk(
-        self,
-        mTokenReq: cute.Tensor,
-        mBlockTable: cute.Tensor,
-        mPos: cute.Tensor,
-        mSlot: cute.Tensor,
-        mKvSlot: cute.Tensor,
-        first_token: Int32,
-        end_token: Int32,
-        chunk: Int32,
-        lane: Int32,
-        warp: Int32,
-    ) -> tuple:
-        """The boundary tokens of chunk ``chunk``: lane ``l`` loads token ``first_token + 32
-        chunk + l`` if it is below ``end_token`` (request, position and both slots at once: one
-        round trip), a ballot lists the boundary lanes (``mask``), and each boundary lane reads the
-        two state pages of its window that warp ``warp`` copies (all lanes in parallel: the
+    def scan_chunk(self, tokens: ClusterTokens, chunk: Int32) -> tuple:
+        """The boundary tokens of chunk ``chunk``: lane ``l`` loads token ``tokens.first + 32
+        chunk + l`` if it is below ``tokens.end`` (request, position and both slots at once: one
+        round trip), a ballot lists the boundary lanes (``mask``), and each boundary lane reads
+        the two state pages of its window that its warp copies (all lanes in parallel: the
         second round trip). Returns ``mask, page0, page1`` and the lane's window start and
         record slot."""
-        t = first_token + chunk * 32 + lane
-        in_range = t < end_token
+        t = tokens.first + chunk * 32 + tokens.lane
+        in_range = t < tokens.end
         t_safe = cutlass.select_(in_range, t, Int32(0))
-        request = mTokenReq[t_safe]
-        pos = mPos[t_safe]
-        slot = mSlot[t_safe]
-        kv_slot = mKvSlot[t_safe]
+        request = tokens.mTokenReq[t_safe]
+        pos = tokens.mPos[t_safe]
+        slot = tokens.mSlot[t_safe]
+        kv_slot = tokens.mKvSlot[t_safe]
         is_boundary = in_range & (slot >= 0) & (kv_slot >= 0) & ((pos + 1) % C128_RATIO == 0)
         mask = Uint32(cute.arch.vote_ballot_sync(is_boundary))
         window_start = pos - (C128_RATIO - 1)
         page0 = Int32(0)
         page1 = Int32(0)
-        if (mask >> Uint32(lane)) & Uint32(1) != Uint32(0):
-            first_page = Int32(window_start // C128_STATE_BLOCK) + 2 * warp
-            page0 = mBlockTable[request, first_page]
-            page1 = mBlockTable[request, first_page + 1]
+        if (mask >> Uint32(tokens.lane)) & Uint32(1) != Uint32(0):
+            first_page = Int32(window_start // C128_STATE_BLOCK) + 2 * tokens.warp
+            page0 = tokens.mBlockTable[request, first_page]
+            page1 = tokens.mBlockTable[request, first_page + 1]
         return mask, page0, page1, window_start, kv_slot
 
     @cute.jit
@@ -348,34 +363,20 @@ class CompressC128:
         self,
         g2s: cute.CopyAtom,
         mState: cute.Tensor,
-        mTokenReq: cute.Tensor,
-        mBlockTable: cute.Tensor,
-        mPos: cute.Tensor,
-        mSlot: cute.Tensor,
-        mKvSlot: cute.Tensor,
         tHsH: cute.Tensor,
         sWindows: cute.Tensor,
-        first_token: Int32,
-        end_token: Int32,
-        num_chunks: Int32,
-        chunk: Int32,
-        mask: Uint32,
-        page0: Int32,
-        page1: Int32,
-        window_start: Int64,
-        kv_slot: Int64,
-        half: Int32,
-        issued: Int32,
+        tokens: ClusterTokens,
+        cursor: IssueCursor,
         rank: Int32,
-        lane: Int32,
-        warp: Int32,
-    ) -> tuple:
+    ) -> IssueCursor:
         """The issuing cursor's step: start copying the next half window into ``tHsH`` (this
         lane's 4 columns of kv and score for its 4 rows of one state page: 8 independent 16-byte
         copies), handing a new window's start and record slot to warp 0 through ``sWindows``,
         then advance — past the chunk's last boundary token to the next chunk that has one. One
         commit group per step, empty once every window is issued, so that the pooling cursor's
         ``wait_group`` count is the same at every step."""
+        chunk, mask, page0, page1, window_start, kv_slot, half, issued = cursor.values()
+        lane = tokens.lane
         if mask != Uint32(0):
             src = self.lowest_lane(mask)
             page = cute.arch.shuffle_sync(cutlass.select_(half == 0, page0, page1), offset=src)
@@ -389,50 +390,29 @@ class CompressC128:
                 cute.copy(g2s, cute.local_tile(gRow, (self.COLS_PER_LANE,), (score_tile,)),
                           tHsH[None, self.HALF_STEPS + i])
             if half == 0:
-                if warp == 0 and lane == src:
+                if tokens.warp == 0 and lane == src:
                     sWindows[0, issued % self.QUEUE] = window_start
                     sWindows[1, issued % self.QUEUE] = kv_slot
                 issued = issued + 1
             half = 1 - half
             if half == 0:
-                chunk, mask, page0, page1, window_start, kv_slot = self.skip_empty_chunks(
-                    mTokenReq, mBlockTable, mPos, mSlot, mKvSlot, first_token, end_token,
-                    num_chunks, chunk, mask & (mask - Uint32(1)), page0, page1, window_start,
-                    kv_slot, lane, warp,
+                chunk, mask, page0, page1, window_start, kv_slot, half, issued = (
+                    self.skip_empty_chunks(tokens, IssueCursor(
+                        chunk, mask & (mask - Uint32(1)), page0, page1, window_start, kv_slot,
+                        half, issued)).values()
                 )
         cute.arch.cp_async_commit_group()
-        return chunk, mask, page0, page1, window_start, kv_slot, half, issued
+        return IssueCursor(chunk, mask, page0, page1, window_start, kv_slot, half, issued)
 
     @cute.jit
-    def skip_empty_chunks(
-        self,
-        mTokenReq: cute.Tensor,
-        mBlockTable: cute.Tensor,
-        mPos: cute.Tensor,
-        mSlot: cute.Tensor,
-        mKvSlot: cute.Tensor,
-        first_token: Int32,
-        end_token: Int32,
-        num_chunks: Int32,
-        chunk: Int32,
-        mask: Uint32,
-        page0: Int32,
-        page1: Int32,
-        window_start: Int64,
-        kv_slot: Int64,
-        lane: Int32,
-        warp: Int32,
-    ) -> tuple:
-        """The issuing cursor's chunk and its :meth:`scan_chunk` values, moved past chunks
-        whose boundary tokens are all issued (``mask`` empty) to the next one that has one, or
-        to the last chunk."""
-        while (mask == Uint32(0)) & (chunk + 1 < num_chunks):
+    def skip_empty_chunks(self, tokens: ClusterTokens, cursor: IssueCursor) -> IssueCursor:
+        """``cursor`` moved past chunks whose boundary tokens are all issued (``mask`` empty)
+        to the next one that has one (its :meth:`scan_chunk` values), or to the last chunk."""
+        chunk, mask, page0, page1, window_start, kv_slot, half, issued = cursor.values()
+        while (mask == Uint32(0)) & (chunk + 1 < tokens.num_chunks):
             chunk = chunk + 1
-            mask, page0, page1, window_start, kv_slot = self.scan_chunk(
-                mTokenReq, mBlockTable, mPos, mSlot, mKvSlot, first_token, end_token, chunk,
-                lane, warp,
-            )
-        return chunk, mask, page0, page1, window_start, kv_slot
+            mask, page0, page1, window_start, kv_slot = self.scan_chunk(tokens, chunk)
+        return IssueCursor(chunk, mask, page0, page1, window_start, kv_slot, half, issued)
 
     @cute.jit
     def pool_rows(
