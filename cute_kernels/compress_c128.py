@@ -147,6 +147,7 @@ class CompressC128:
     # Half-window slots: 96 KiB per CTA, two CTAs in the SM's 228 KiB.
     RING = 3
     QUEUE = 4  # windows the issuing cursor has started and the pooling one not yet stored
+    SCAN_AHEAD = 4  # chunks whose positions the issuing cursor tests at once
 
     def __init__(self, fmt: CacheFormat) -> None:
         self.fmt = fmt  # the norm weight's dtype only changes the argument type, not the body
@@ -268,7 +269,11 @@ class CompressC128:
         if const_expr(self.fmt is CacheFormat.FP8):
             fp8_inv_scale = du.div_rn(Float32(1.0), mScale[0])
 
-        cute.arch.cluster_wait()  # every CTA of the cluster has started (see above)
+        # Every CTA of the cluster has started (see above). A cluster with no window writes
+        # into no peer: it leaves without waiting (its arrive needs no matching wait).
+        # ``issued`` is cluster-uniform: every CTA walks the same tokens.
+        if cursor.issued > Int32(0):
+            cute.arch.cluster_wait()
 
         # -- the pooling cursor: the issued windows in order ----------------------------------
         tKrK = self.make_window_fragment()
@@ -410,8 +415,20 @@ class CompressC128:
         to the next one that has one (its :meth:`scan_chunk` values), or to the last chunk."""
         chunk, mask, page0, page1, window_start, kv_slot, half, issued = cursor.values()
         while (mask == Uint32(0)) & (chunk + 1 < tokens.num_chunks):
-            chunk = chunk + 1
-            mask, page0, page1, window_start, kv_slot = self.scan_chunk(tokens, chunk)
+            # the positions of the next SCAN_AHEAD chunks in one round trip: a chunk with no
+            # position on a boundary is skipped without its other loads
+            ahead = Uint32(0)
+            for j in cutlass.range_constexpr(self.SCAN_AHEAD):
+                t = tokens.first + (chunk + 1 + j) * 32 + tokens.lane
+                in_range = t < tokens.end
+                pos = tokens.mPos[cutlass.select_(in_range, t, Int32(0))]
+                on_boundary = in_range & ((pos + 1) % C128_RATIO == 0)
+                ahead = ahead | (Uint32(cute.arch.vote_any_sync(on_boundary)) << Uint32(j))
+            if ahead == Uint32(0):
+                chunk = cutlass.min(chunk + self.SCAN_AHEAD, tokens.num_chunks - 1)
+            else:
+                chunk = chunk + 1 + self.lowest_lane(ahead)
+                mask, page0, page1, window_start, kv_slot = self.scan_chunk(tokens, chunk)
         return IssueCursor(chunk, mask, page0, page1, window_start, kv_slot, half, issued)
 
     @cute.jit

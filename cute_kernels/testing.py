@@ -12,6 +12,7 @@ from unittest import mock
 
 import torch
 
+from . import reference
 from .layouts import HEAD_DIM, CacheFormat
 from .reference import k_norm_rope, stacked_kv_slots
 
@@ -199,6 +200,112 @@ def compress_c128_case(
     return CompressC128Case(state, block_table, token_to_req, positions, slot_mapping,
                             norm_weight, 1e-6, cos_sin, k_cache, backing, kv_slots,
                             kv_block_size, scale)
+
+
+def _c128_written_mask(case: CompressC128Case) -> torch.Tensor:
+    """Bytes the reference writes: those that differ from the poison under two poisons."""
+    masks = []
+    for poison in (0xA5, 0x5A):
+        backing, cache = case.fresh_cache(poison)
+        reference.compress_c128(*case.args(cache))
+        masks.append(backing.view(torch.uint8) != poison)
+    return masks[0] | masks[1]
+
+
+def _e4m3_step(value: torch.Tensor) -> torch.Tensor:
+    """The spacing of e4m3 codes at |value| (in the code's own scale)."""
+    exp = torch.floor(torch.log2(value.abs().clamp_min(2.0**-6)))
+    return torch.pow(2.0, exp - 3)
+
+
+def _bf16_ulp(value: torch.Tensor) -> torch.Tensor:
+    exp = torch.floor(torch.log2(value.abs().clamp_min(2.0**-126)))
+    return torch.pow(2.0, exp - 7)
+
+
+def _c128_bf16_tolerance(ref: torch.Tensor) -> torch.Tensor:
+    """One bf16 ulp, with a floor for values near zero: the pooled sum cancels, and its fp32
+    error (~2^-20 of the row's largest value) exceeds a tiny value's own ulp."""
+    floor = ref.abs().amax(dim=-1, keepdim=True) * 2.0**-16
+    return torch.maximum(_bf16_ulp(ref), floor)
+
+
+def _c128_records(case: CompressC128Case, backing: torch.Tensor) -> tuple:
+    """(tokens, codes-or-values region, scale region) of every boundary token's record."""
+    tokens = torch.nonzero(case.boundary).flatten()
+    slots = case.kv_slot_mapping[tokens]
+    kb = case.kv_block_size
+    elem = case.k_cache.element_size()
+    page = (slots // kb) * case.k_cache.stride(0) * elem
+    row = slots % kb
+    flat = backing.view(torch.uint8)
+
+    def take(start: torch.Tensor, n: int) -> torch.Tensor:
+        return flat[start.unsqueeze(1) + torch.arange(n, device=flat.device)]
+
+    if case.k_cache.dtype == torch.uint8:
+        return tokens, take(page + row * 576, 576), take(page + kb * 576 + row * 8, 8)
+    return tokens, take(page + row * case.k_cache.stride(1) * elem, 512 * elem), None
+
+
+def c128_mismatch(case: CompressC128Case, got_backing: torch.Tensor) -> str | None:
+    """Why ``got_backing`` (the case's cache backing after a call) breaks the tolerance rules
+    of specs/compress_c128.md against the float64 reference, or None when it keeps them: every
+    byte outside the records as poisoned, scale bytes exact (except where amax / 448 lies
+    within 1e-6 of a power of two), fp8 values within one e4m3 step, bf16 values within one
+    ulp (with a floor near zero)."""
+    written = _c128_written_mask(case)
+    got = got_backing.view(torch.uint8)
+    if not bool((got[~written] == POISON).all()):
+        return "bytes outside the records changed"
+    ref_backing, ref_cache = case.fresh_cache()
+    reference.compress_c128(*case.args(ref_cache))
+    tokens, got_data, got_scales = _c128_records(case, got_backing)
+    _, ref_data, ref_scales = _c128_records(case, ref_backing)
+    if tokens.numel() == 0:
+        return None
+    if case.k_cache.dtype == torch.uint8:
+        y = reference.c128_normed_windows(case.state_cache, case.block_table, case.token_to_req,
+                                          case.positions, case.norm_weight, case.eps, tokens)
+        amax = y[:, :448].to(torch.bfloat16).double().reshape(-1, 7, 64).abs().amax(-1)
+        q = torch.log2(amax.clamp_min(1e-4) / 448.0)
+        ratio = torch.pow(2.0, q)
+        near_pow2 = (torch.pow(2.0, q.round()) - ratio).abs() <= 1e-6 * ratio
+        if not bool(((got_scales[:, :7] == ref_scales[:, :7]) | near_pow2).all()):
+            return "scale bytes differ"
+        if not bool((got_scales[:, 7] == 0).all()):
+            return "pad byte"
+
+        def decode(data: torch.Tensor, scales: torch.Tensor) -> tuple:
+            codes = data[:, :448].contiguous().view(torch.float8_e4m3fn).double()
+            return (codes.reshape(-1, 7, 64),
+                    torch.pow(2.0, scales[:, :7].double() - 127).unsqueeze(-1))
+
+        got_codes, got_scale = decode(got_data, got_scales)
+        ref_codes, ref_scale = decode(ref_data, ref_scales)
+        step = _e4m3_step(ref_codes) * torch.maximum(got_scale, ref_scale)
+        err = (got_codes * got_scale - ref_codes * ref_scale).abs()
+        if not bool((err <= step * (1 + 1e-9)).all()):
+            return f"fp8 value off by {float((err / step).max())} steps"
+        got_rope = got_data[:, 448:].contiguous().view(torch.bfloat16).double()
+        ref_rope = ref_data[:, 448:].contiguous().view(torch.bfloat16).double()
+        rope_err = (got_rope - ref_rope).abs() / _c128_bf16_tolerance(ref_rope)
+        if not bool((rope_err <= 1 + 1e-9).all()):
+            return f"bf16 RoPE off by {float(rope_err.max())} tolerances"
+    elif case.k_cache.dtype == torch.bfloat16:
+        g = got_data.contiguous().view(torch.bfloat16).double()
+        r = ref_data.contiguous().view(torch.bfloat16).double()
+        err = (g - r).abs() / _c128_bf16_tolerance(r)
+        if not bool((err <= 1 + 1e-9).all()):
+            worst = int(err.flatten().argmax())
+            return (f"bf16 value off by {float(err.max())} tolerances: "
+                    f"{float(g.flatten()[worst])} vs {float(r.flatten()[worst])}")
+    else:
+        g = got_data.contiguous().view(torch.float8_e4m3fn).double()
+        r = ref_data.contiguous().view(torch.float8_e4m3fn).double()
+        if not bool(((g - r).abs() <= _e4m3_step(r) * (1 + 1e-9)).all()):
+            return "fp8 value off"
+    return None
 
 
 # -- stacked_kv_proj ------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import cute_kernels
 from cute_kernels import LayoutError, check_compress_c128, reference
 from cute_kernels.compress_c128 import CompressC128Key
 from cute_kernels.layouts import C128_FORMATS, CacheFormat
-from cute_kernels.testing import POISON
+from cute_kernels.testing import POISON, c128_mismatch
 from cute_kernels.testing import compress_c128_case as make_case
 
 FORMATS = [f.value for f in C128_FORMATS]
@@ -87,6 +87,31 @@ def test_no_boundary_writes_nothing():
     case = make_case("bf16", 64, 2, "cpu", boundary_every=0)
     reference.compress_c128(*case.args())
     assert bool((case.backing.view(torch.uint8) == POISON).all())
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_record_comparison_accepts_the_reference_and_names_a_wrong_record(fmt):
+    """``testing.c128_mismatch`` (the GPU tests' and ``make perf``'s check): the reference's
+    own output passes; a record with one value moved far, or a byte written outside the
+    records, is named."""
+    case = make_case(fmt, 40, 2, "cpu", seed=3)
+    reference.compress_c128(*case.args())
+    assert c128_mismatch(case, case.backing) is None
+    token = int(torch.nonzero(case.boundary).flatten()[0])
+    slot = int(case.kv_slot_mapping[token])
+    record = case.k_cache[slot // 2, slot % 2]
+    wrong = case.backing.clone()
+    wrong_record = wrong.as_strided(case.k_cache.shape, case.k_cache.stride())[slot // 2, slot % 2]
+    if fmt == "v4_packed":  # a RoPE dim (bf16 bytes 448 + 2i) negated
+        wrong_record[449] = record[449] ^ 0x80
+        assert "RoPE" in c128_mismatch(case, wrong)
+    else:
+        wrong_record[0] = -3 * record[0].float() - 1  # far beyond one ulp / e4m3 step
+        assert "off" in c128_mismatch(case, wrong)
+    stray = case.backing.clone()
+    unwritten = int(torch.nonzero(stray.view(torch.uint8) == POISON).flatten()[-1])
+    stray.view(torch.uint8)[unwritten] = 0
+    assert c128_mismatch(case, stray) == "bytes outside the records changed"
 
 
 def test_full_caches_hold_the_rounded_values():
