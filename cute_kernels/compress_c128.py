@@ -128,7 +128,8 @@ class CompressC128:
     The grid is persistent: each of ``num_clusters`` clusters owns a contiguous range of the
     tokens and walks it in chunks of 32. A warp tests a chunk's 32 tokens at once (one load of
     each index tensor) and a ballot lists the boundary tokens, so a token that is not on a
-    boundary costs a fraction of one load, and no CTA is launched per token. Only the issuing
+    boundary costs a fraction of one load, and no CTA is launched per token; chunks are skipped
+    SCAN_AHEAD at a time on their positions alone. Only the issuing
     cursor walks the tokens (reading each boundary lane's page ids, all 32 in parallel); it
     runs three halves ahead across chunk ends and hands each window it starts (its first
     position and record slot) to the pooling cursor through shared memory.
