@@ -1,9 +1,12 @@
 """A few calls of one kernel at one size, for Nsight Compute:
 
-    ncu --clock-control none -k regex:kernel --launch-skip 2 --launch-count 1 \\
+    ncu --clock-control none -k regex:kernel_cutlass --launch-skip 2 --launch-count 1 \\
         python3 -m perf.ncu_target kv_rope_insert v4_packed 262144
         python3 -m perf.ncu_target stacked_kv_proj tp8 64     # a layout of perf.sweep_stacked
         python3 -m perf.ncu_target compress_c128 all 4096
+
+(``kernel_cutlass`` is the prefix of the CuTe DSL kernels' names; a bare ``kernel`` also
+matches torch's kernels that build the inputs, and the skip count then lands on one of them.)
 """
 
 from __future__ import annotations
