@@ -339,6 +339,14 @@ class CompressC128:
         return Int32(cute.arch.popc((mask & (Uint32(0) - mask)) - Uint32(1)))
 
     @cute.jit
+    def lane_token(self, tokens: ClusterTokens, chunk: Int32) -> tuple:
+        """This lane's token of chunk ``chunk``, ``tokens.first + 32 chunk + lane``: whether it
+        is below ``tokens.end``, and its index, 0 when it is not (a safe index to load)."""
+        t = tokens.first + chunk * 32 + tokens.lane
+        in_range = t < tokens.end
+        return in_range, cutlass.select_(in_range, t, Int32(0))
+
+    @cute.jit
     def scan_chunk(self, tokens: ClusterTokens, chunk: Int32) -> tuple:
         """The boundary tokens of chunk ``chunk``: lane ``l`` loads token ``tokens.first + 32
         chunk + l`` if it is below ``tokens.end`` (request, position and both slots at once: one
@@ -346,9 +354,7 @@ class CompressC128:
         the two state pages of its window that its warp copies (all lanes in parallel: the
         second round trip). Returns ``mask, page0, page1`` and the lane's window start and
         record slot."""
-        t = tokens.first + chunk * 32 + tokens.lane
-        in_range = t < tokens.end
-        t_safe = cutlass.select_(in_range, t, Int32(0))
+        in_range, t_safe = self.lane_token(tokens, chunk)
         request = tokens.mTokenReq[t_safe]
         pos = tokens.mPos[t_safe]
         slot = tokens.mSlot[t_safe]
@@ -420,9 +426,8 @@ class CompressC128:
             # position on a boundary is skipped without its other loads
             ahead = Uint32(0)
             for j in cutlass.range_constexpr(self.SCAN_AHEAD):
-                t = tokens.first + (chunk + 1 + j) * 32 + tokens.lane
-                in_range = t < tokens.end
-                pos = tokens.mPos[cutlass.select_(in_range, t, Int32(0))]
+                in_range, t_safe = self.lane_token(tokens, chunk + 1 + j)
+                pos = tokens.mPos[t_safe]
                 on_boundary = in_range & ((pos + 1) % C128_RATIO == 0)
                 ahead = ahead | (Uint32(cute.arch.vote_any_sync(on_boundary)) << Uint32(j))
             if ahead == Uint32(0):
