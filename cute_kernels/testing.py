@@ -205,14 +205,13 @@ def compress_c128_case(
 def _c128_reference(case: CompressC128Case) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's output backing (from the case's poison) and the bytes it writes: those
     that differ from the poison under two poisons."""
-    backings, written = [], None
+    outputs = []
     for poison in (POISON, POISON ^ 0xFF):
         backing, cache = case.fresh_cache(poison)
         reference.compress_c128(*case.args(cache))
-        backings.append(backing)
-        changed = backing.view(torch.uint8) != poison
-        written = changed if written is None else written | changed
-    return backings[0], written
+        outputs.append((backing, backing.view(torch.uint8) != poison))
+    (backing, written), (_, also_written) = outputs
+    return backing, written | also_written
 
 
 def _e4m3_step(value: torch.Tensor) -> torch.Tensor:
