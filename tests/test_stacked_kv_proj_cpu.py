@@ -448,6 +448,15 @@ OVERRIDE_REJECTIONS = {  # name -> (environment, fragments)
     "swap_tile_needs_mma": (dict(CUTE_KERNELS_ARCH="sm_90a", CUTE_KERNELS_STACKED_IMPL="wgmma",
                                  CUTE_KERNELS_STACKED_TILE="swap16"),
                             ("CUTE_KERNELS_STACKED_TILE", "wgmma core")),
+    # no arch on meta / CPU tensors: a value that no arch accepts is still rejected
+    "unknown_impl_without_arch": (dict(CUTE_KERNELS_STACKED_IMPL="bogus"),
+                                  ("CUTE_KERNELS_STACKED_IMPL", "wgmma", "'bogus'")),
+    "unknown_tile_without_arch": (dict(CUTE_KERNELS_STACKED_TILE="m256"),
+                                  ("CUTE_KERNELS_STACKED_TILE", "m128w", "'m256'")),
+    "unknown_schedule_without_arch": (dict(CUTE_KERNELS_STACKED_SCHEDULE="sk"),
+                                      ("CUTE_KERNELS_STACKED_SCHEDULE", "streamk")),
+    "bad_handover_without_arch": (dict(CUTE_KERNELS_STACKED_HANDOVER="dsmem"),
+                                  ("CUTE_KERNELS_STACKED_HANDOVER", "workspace")),
 }
 
 
@@ -455,6 +464,7 @@ OVERRIDE_REJECTIONS = {  # name -> (environment, fragments)
 @pytest.mark.parametrize("name", list(OVERRIDE_REJECTIONS))
 def test_override_rejection(device, name, monkeypatch):
     env, fragments = OVERRIDE_REJECTIONS[name]
+    monkeypatch.delenv("CUTE_KERNELS_ARCH", raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     _rejects(_args(device), *fragments)

@@ -439,9 +439,9 @@ def stacked_kv_proj(
                      cache_loc_2d.shape[0], "cache_loc_2d.shape[0]")
 
     arch = arch_for(device)
+    check_overrides(arch)
     if arch is None:
         return None
-    check_overrides(arch)
     return StackedLayout(num_layers, n_kv, head_dim, bias is not None, cache_loc_2d is not None,
                          norm_dtype_name(k_norm_weight.dtype), arch)
 

@@ -162,9 +162,13 @@ def tile_n(head_dim: int, kv: int, wide: bool = False) -> int:
     return bn if kv % bn == 0 else head_dim
 
 
+#: The GEMM cores, the default first where it compiles.
+IMPLS = ("wgmma", "mma")
+
+
 def impls_for(arch: str) -> tuple[str, ...]:
     """GEMM cores that compile for ``arch``: wgmma exists on sm_90a only."""
-    return ("wgmma", "mma") if arch == "sm_90a" else ("mma",)
+    return IMPLS if arch == "sm_90a" else ("mma",)
 
 
 def choose_impl(arch: str) -> str:
@@ -190,12 +194,17 @@ def forced_tile(impl: str) -> str | None:
     return wanted
 
 
+def _expect_one_of(name: str, allowed: tuple[str, ...]) -> str:
+    """Environment variable ``name`` (``auto`` when unset), checked to be one of ``allowed``."""
+    wanted = os.environ.get(name, "auto")
+    if wanted not in allowed:
+        fail(name, f"one of {', '.join(allowed)}", repr(wanted))
+    return wanted
+
+
 def forced_schedule() -> str:
     """``CUTE_KERNELS_STACKED_SCHEDULE``, checked."""
-    wanted = os.environ.get(SCHEDULE_ENV, "auto")
-    if wanted not in SCHEDULES:
-        fail(SCHEDULE_ENV, f"one of {', '.join(SCHEDULES)}", repr(wanted))
-    return wanted
+    return _expect_one_of(SCHEDULE_ENV, SCHEDULES)
 
 
 def _positive_int_env(name: str) -> int | None:
@@ -221,18 +230,21 @@ def forced_splits() -> int | None:
 def forced_handover() -> str:
     """``CUTE_KERNELS_STACKED_HANDOVER``, checked (with a forced split of at most
     ``CLUSTER_MAX_SPLITS`` when it is ``cluster``)."""
-    wanted = os.environ.get(HANDOVER_ENV, "auto")
-    if wanted not in HANDOVERS:
-        fail(HANDOVER_ENV, f"one of {', '.join(HANDOVERS)}", repr(wanted))
+    wanted = _expect_one_of(HANDOVER_ENV, HANDOVERS)
     if wanted == "cluster" and (forced_splits() or 1) > CLUSTER_MAX_SPLITS:
         fail(SPLITS_ENV, f"at most {CLUSTER_MAX_SPLITS} with {HANDOVER_ENV}=cluster",
              repr(os.environ[SPLITS_ENV]))
     return wanted
 
 
-def check_overrides(arch: str) -> None:
-    """Raise :class:`LayoutError` for an override the calls on ``arch`` would reject."""
-    forced_tile(choose_impl(arch))
+def check_overrides(arch: str | None) -> None:
+    """Raise :class:`LayoutError` for an override the calls on ``arch`` would reject; with no
+    arch (meta or CPU tensors, no ``CUTE_KERNELS_ARCH``), for a core or tile no arch has."""
+    if arch is None:
+        _expect_one_of(IMPL_ENV, ("auto", *IMPLS))
+        _expect_one_of(TILE_ENV, ("auto", *TILES))
+    else:
+        forced_tile(choose_impl(arch))
     forced_schedule()
     ctas_cap()
     forced_splits()
