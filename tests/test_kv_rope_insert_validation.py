@@ -8,6 +8,7 @@ import torch
 
 import cute_kernels
 from cute_kernels import LayoutError, check_kv_rope_insert
+from cute_kernels.testing import cpu_launches
 from cute_kernels.testing import kv_rope_insert_case as make_case
 
 DEVICES = ["meta", "cpu"]
@@ -165,7 +166,14 @@ def test_kernel_needs_cuda_tensors():
 
 
 def test_rejection_happens_before_any_compile():
-    before = cute_kernels.cache_stats()["compiles"]
-    with pytest.raises(LayoutError):
-        cute_kernels.kv_rope_insert(**_args("cpu", kv=lambda a: a["kv"].half()))
-    assert cute_kernels.cache_stats()["compiles"] == before
+    """With the host path run as on a GPU (CPU tensors taken for CUDA ones, compiled functions
+    recorded): the accepted call reaches its kernel, the rejected one neither compiles nor
+    launches."""
+    with cpu_launches() as launches:
+        cute_kernels.kv_rope_insert(**_args("cpu"))
+        assert len(launches) == 1
+        before = cute_kernels.cache_stats()["compiles"]
+        with pytest.raises(LayoutError, match="kv: expected"):
+            cute_kernels.kv_rope_insert(**_args("cpu", kv=lambda a: a["kv"].half()))
+        assert len(launches) == 1
+        assert cute_kernels.cache_stats()["compiles"] == before

@@ -5,6 +5,7 @@ exactly the bytes it writes for the unmoved argument."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 
 import pytest
@@ -13,6 +14,11 @@ import torch
 import cute_kernels
 from cute_kernels import LayoutError
 from cute_kernels.testing import compress_c128_case, kv_rope_insert_case, stacked_kv_proj_case
+
+# the modules (their names in the package are the ops)
+ALIGN_TABLES = {op: importlib.import_module(f"cute_kernels.{module}").ALIGN for op, module in (
+    ("kv_rope_insert", "kv_rope_insert"), ("compress_c128", "compress_c128"),
+    ("stacked_kv_proj", "stacked_kv_proj.interface"))}
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -66,14 +72,27 @@ def _name(op: str, place: tuple[int, int | None]) -> str:
 CASES = [(op, place) for op, (build, _) in OPS.items() for place in _places(build("cpu"))]
 
 
+def _assumed_align(op: str, place: tuple[int, int | None]) -> int:
+    """The byte alignment the op's kernel is compiled to assume of that argument (its
+    module's ``ALIGN`` table, which the build's fake tensors and the validation share)."""
+    return ALIGN_TABLES[op.removesuffix("_fp8")][_name(op, (place[0], None))]
+
+
 @pytest.mark.parametrize(("op", "place"), CASES, ids=lambda v: str(v))
 def test_moved_argument_is_named_or_accepted(op, place):
+    """Rejected, naming the argument, exactly when one element is less than the alignment
+    the kernel assumes of it."""
     check = getattr(cute_kernels, f"check_{op.removesuffix('_fp8')}")
     args = _moved(OPS[op][0]("cpu"), place)
+    moved = args[place[0]] if place[1] is None else args[place[0]][place[1]]
+    misaligned = moved.element_size() % _assumed_align(op, place) != 0
     try:
         check(*args)
     except LayoutError as err:
+        assert misaligned, str(err)
         assert str(err).startswith(f"{_name(op, place)}: expected"), str(err)
+    else:
+        assert not misaligned, f"a {moved.element_size()}-byte offset was accepted"
 
 
 def _outputs(args: tuple, outputs: tuple[int, ...]) -> list[torch.Tensor]:

@@ -328,4 +328,5 @@ def test_no_tokens_launches_nothing():
     case = make_case(0, 2560, 1, 1, 128, "cuda")
     stacked_kv_proj(*case.args())
     torch.cuda.synchronize()
-    assert all(bool((b.view(torch.uint8) == 0xA5).all()) for b in case.k_backings)
+    assert all(bool((b.view(torch.uint8) == 0xA5).all())
+               for b in (*case.k_backings, *case.v_backings))
