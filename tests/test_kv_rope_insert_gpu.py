@@ -20,7 +20,6 @@ pytestmark = pytest.mark.gpu
 def _check_rounds(case, run) -> None:
     """Three rounds with fresh kv and shifted positions; round 2 skips every slot."""
     ref_backing, ref_cache = case.twin()
-    kv_before = case.kv.clone()
     for rnd in range(3):
         case.kv.normal_()
         case.positions.add_(1)

@@ -71,12 +71,11 @@ def _rotate64(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
 
 def _written(case, fmt):
     """(tokens, slots) that were written, and each slot's page byte base and row."""
-    n = case.slot_mapping.shape[0]
     tokens = torch.nonzero(case.slot_mapping >= 0).flatten()
     slots = case.slot_mapping[tokens]
     elem = case.k_cache.element_size()
     page = (slots // case.block_size) * case.k_cache.stride(0) * elem
-    return tokens[tokens < n], slots, page, slots % case.block_size
+    return tokens, slots, page, slots % case.block_size
 
 
 def _bytes(case, start: torch.Tensor, length: int) -> torch.Tensor:
@@ -146,20 +145,18 @@ def test_fp8_multiplies_by_the_reciprocal_scale():
     assert bool(((rows - want).abs() <= want.abs() * 2**-4 + 2**-9).all())
 
 
-def _record_bytes(case, fmt: CacheFormat, slots: torch.Tensor) -> torch.Tensor:
-    """Byte mask over the backing of the records of ``slots``, from the layout of
+def _record_bytes(case, fmt: CacheFormat) -> torch.Tensor:
+    """Byte mask over the backing of the written slots' records, from the layout of
     specs/kv_rope_insert.md: a packed page holds ``block_size`` data records, then their
     scale rows; a plain cache one row per slot at ``stride(1)``."""
-    elem = case.k_cache.element_size()
-    offset = case.k_cache.storage_offset() * elem
-    page = offset + (slots // case.block_size) * case.k_cache.stride(0) * elem
-    row = slots % case.block_size
+    _, _, page, row = _written(case, fmt)
     if fmt.packed:
         starts = [(page + row * fmt.data_bytes, fmt.data_bytes),
                   (page + case.block_size * fmt.data_bytes + row * fmt.scale_bytes,
                    fmt.scale_bytes)]
     else:
-        starts = [(page + row * case.k_cache.stride(1) * elem, fmt.row_bytes)]
+        starts = [(page + row * case.k_cache.stride(1) * case.k_cache.element_size(),
+                   fmt.row_bytes)]
     mask = torch.zeros(case.backing.view(torch.uint8).numel(), dtype=torch.bool)
     for start, n in starts:
         mask[(start.unsqueeze(1) + torch.arange(n)).flatten()] = True
@@ -173,7 +170,7 @@ def test_only_selected_records_change(fmt):
     case = make_case(fmt, 64, 32, "cpu")
     reference.kv_rope_insert(*case.args())
     changed = case.backing.view(torch.uint8).flatten() != POISON
-    footprint = _record_bytes(case, CacheFormat(fmt), case.slot_mapping[case.slot_mapping >= 0])
+    footprint = _record_bytes(case, CacheFormat(fmt))
     assert not bool((changed & ~footprint).any())
     assert int(changed.sum()) > 0.9 * int(footprint.sum())
     case.poison()
