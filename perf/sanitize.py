@@ -63,6 +63,7 @@ def _stacked_kv_proj() -> int:
         SCHEDULE_ENV,
         SPLITS_ENV,
         TILE_ENV,
+        TILES,
         impls_for,
         tiles_for,
     )
@@ -79,6 +80,8 @@ def _stacked_kv_proj() -> int:
     for impl in impls_for(arch):
         for tile in tiles_for(impl):
             for schedule in schedules[impl]:
+                if TILES[tile].split_head and schedule.get(SCHEDULE_ENV) == "streamk":
+                    continue  # a split-head plan is data-parallel only (check_overrides)
                 env = {"CUTE_KERNELS_STACKED_IMPL": impl, TILE_ENV: tile, **schedule}
                 os.environ.update(env)
                 case = stacked_kv_proj_case(37, 256, 2, 2, 128, "cuda", bias=True,

@@ -449,6 +449,13 @@ OVERRIDE_REJECTIONS = {  # name -> (environment, fragments)
     "swap_tile_needs_mma": (dict(CUTE_KERNELS_ARCH="sm_90a", CUTE_KERNELS_STACKED_IMPL="wgmma",
                                  CUTE_KERNELS_STACKED_TILE="swap16"),
                             ("CUTE_KERNELS_STACKED_TILE", "wgmma core")),
+    "split_head_needs_wgmma": (dict(CUTE_KERNELS_ARCH="sm_100a",
+                                    CUTE_KERNELS_STACKED_TILE="m64h"),
+                               ("CUTE_KERNELS_STACKED_TILE", "mma core")),
+    "split_head_is_data_parallel": (dict(CUTE_KERNELS_ARCH="sm_90a",
+                                         CUTE_KERNELS_STACKED_TILE="m64h",
+                                         CUTE_KERNELS_STACKED_SCHEDULE="streamk"),
+                                    ("CUTE_KERNELS_STACKED_SCHEDULE", "dp")),
     # no arch on meta / CPU tensors: a value that no arch accepts is still rejected
     "unknown_impl_without_arch": (dict(CUTE_KERNELS_STACKED_IMPL="bogus"),
                                   ("CUTE_KERNELS_STACKED_IMPL", "wgmma", "'bogus'")),
@@ -458,6 +465,9 @@ OVERRIDE_REJECTIONS = {  # name -> (environment, fragments)
                                       ("CUTE_KERNELS_STACKED_SCHEDULE", "streamk")),
     "bad_handover_without_arch": (dict(CUTE_KERNELS_STACKED_HANDOVER="dsmem"),
                                   ("CUTE_KERNELS_STACKED_HANDOVER", "workspace")),
+    "split_head_is_data_parallel_without_arch": (dict(CUTE_KERNELS_STACKED_TILE="m64h",
+                                                      CUTE_KERNELS_STACKED_SCHEDULE="streamk"),
+                                                 ("CUTE_KERNELS_STACKED_SCHEDULE", "dp")),
 }
 
 
@@ -507,14 +517,15 @@ def test_layout_on_meta_with_arch_override(arch, monkeypatch):
     assert choose_plan(layout, 17, 4096, 132) == StackedPlan(
         StackedVariant("mma", "swap16", cluster=True), False, 128, 16, 8)
     # T = 256: 128 swapped tiles fit only 2 splits (est. 18.8 us); on sm_90a the wgmma core's
-    # 32 m64 tiles are cheaper (est. 18.2 us), the mma core has no other tile that fits
-    expected = (StackedPlan(StackedVariant("wgmma", "m64"), False, 32, 32) if arch == "sm_90a"
+    # 64 split-head tiles (one wave, 32 clusters) are cheaper, the mma core has no other tile
+    # that fits
+    expected = (StackedPlan(StackedVariant("wgmma", "m64h"), False, 64, 64) if arch == "sm_90a"
                 else StackedPlan(StackedVariant("mma", "swap16"), False, 256, 128, 2))
     assert choose_plan(layout, 256, 4096, 132) == expected
-    # T = 257: past the swapped tile's range
-    impl = "wgmma" if arch == "sm_90a" else "mma"
-    assert choose_plan(layout, 257, 4096, 132) == StackedPlan(StackedVariant(impl, "m64"), False,
-                                                              40, 40)
+    # T = 257: past the swapped tile's range; 80 split-head tiles fit one wave on sm_90a
+    expected = (StackedPlan(StackedVariant("wgmma", "m64h"), False, 80, 80) if arch == "sm_90a"
+                else StackedPlan(StackedVariant("mma", "m64"), False, 40, 40))
+    assert choose_plan(layout, 257, 4096, 132) == expected
 
 
 def test_stream_k_where_the_swapped_tile_does_not_fit(monkeypatch):
@@ -530,16 +541,19 @@ def test_stream_k_where_the_swapped_tile_does_not_fit(monkeypatch):
 
 # (layout name, L, n_kv, D, H, T, the planned tile, splits): the choices the cost model makes
 # on the layouts of the "Measured plan choice" table of specs/stacked_kv_proj.md (cold us,
-# H200), each the faster of the two measured plans there
+# H200), each the faster of the measured plans there (the split-head cells: its same-run A/B
+# against the plan before, 22:45 UTC)
 COST_MODEL_CHOICES = [
     ("tp1", 5, 8, 128, 4096, 32, "swap16", 1),  # 33.8 against the wgmma core's 34.2 us
     ("tp1", 5, 8, 128, 4096, 64, "m64", 1),  # 35.0 against 52.8 (320 swapped tiles)
-    ("tp2", 5, 4, 128, 4096, 64, "m64", 1),  # 23.4 against 29.0
+    ("tp2", 5, 4, 128, 4096, 32, "swap16", 2),  # 22.5 against m64h's 22.7
+    ("tp2", 5, 4, 128, 4096, 64, "m64h", 1),  # 22.0 against m64's 23.5
     ("tp8", 5, 1, 128, 4096, 64, "swap16", 6),  # 14.3 (6 splits) against 18.1
-    ("tp8", 5, 1, 128, 4096, 256, "m64", 1),  # 18.0 against 27.7
-    ("1layer", 1, 8, 128, 4096, 128, "swap16", 2),  # 20.4 against 24.1
-    ("d256", 2, 1, 256, 5120, 256, "swap16", 2),  # 23.5 against 37.2
-    ("d64", 6, 4, 64, 2048, 64, "m64", 1),  # 13.5 against 13.7
+    ("tp8", 5, 1, 128, 4096, 256, "m64h", 1),  # 15.9 against m64's 18.2
+    ("1layer", 1, 8, 128, 4096, 128, "m64h", 1),  # 16.0 against swap16's 20.3
+    ("d256", 2, 1, 256, 5120, 256, "m64h", 1),  # 20.9 against swap16's 23.6
+    ("d64", 6, 4, 64, 2048, 16, "swap16", 3),  # 11.7 against m64h's 13.3
+    ("d64", 6, 4, 64, 2048, 64, "m64h", 1),  # 11.5 against m64's 13.6
 ]
 
 
@@ -559,8 +573,8 @@ def test_an_override_leaves_the_swapped_tile_out(monkeypatch):
     """A forced core or schedule plans as asked (TP 8, T = 64: the swapped tile otherwise)."""
     layout = StackedLayout(5, 1, 128, False, False, "float32", "sm_90a")
     monkeypatch.setenv("CUTE_KERNELS_STACKED_SCHEDULE", "dp")
-    assert choose_plan(layout, 64, 4096, 132) == StackedPlan(StackedVariant("wgmma", "m64"),
-                                                             False, 10, 10)
+    assert choose_plan(layout, 64, 4096, 132) == StackedPlan(StackedVariant("wgmma", "m64h"),
+                                                             False, 20, 20)
     monkeypatch.delenv("CUTE_KERNELS_STACKED_SCHEDULE")
     monkeypatch.setenv("CUTE_KERNELS_STACKED_TILE", "swap16")  # forced: even past one wave
     assert choose_plan(layout, 1024, 4096, 132).grid == 640
@@ -592,12 +606,39 @@ DRAFTER_TP8 = StackedLayout(5, 1, 128, False, False, "float32", "sm_90a")  # 10 
     ({"CUTE_KERNELS_STACKED_SCHEDULE": "streamk"}, (True, 132)),
     ({"CUTE_KERNELS_STACKED_SCHEDULE": "streamk", "CUTE_KERNELS_STACKED_CTAS": "7"},
      (True, 7)),
+    ({"CUTE_KERNELS_STACKED_TILE": "m64h"}, (False, 20)),  # two half-head tiles a head
+    ({"CUTE_KERNELS_STACKED_TILE": "m64h", "CUTE_KERNELS_STACKED_CTAS": "7"},
+     (False, 6)),  # an even grid: the two halves of a head are one cluster's CTAs
+    ({"CUTE_KERNELS_STACKED_TILE": "m64h", "CUTE_KERNELS_STACKED_CTAS": "1"}, (False, 2)),
 ])
 def test_plan_overrides(env, expected, monkeypatch):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     plan = choose_plan(DRAFTER_TP8, 1, 4096, 132)
     assert (plan.stream_k, plan.grid) == expected
+
+
+def test_split_head_grid_is_resident_clusters(monkeypatch):
+    """The split-head plan runs no more 2-CTA clusters than are resident at once."""
+    monkeypatch.setenv("CUTE_KERNELS_STACKED_TILE", "m64h")
+    layout = StackedLayout(5, 8, 128, False, False, "float32", "sm_90a")  # 80 heads
+    asked = []
+
+    def residency(size: int, per_sm: int) -> int:
+        asked.append((size, per_sm))
+        return 124  # 62 clusters of 2 at one CTA per SM
+
+    assert choose_plan(layout, 64, 4096, 132, residency) == StackedPlan(
+        StackedVariant("wgmma", "m64h"), False, 124, 160)
+    assert asked == [(2, 1)]
+
+
+def test_forced_stream_k_takes_a_whole_head_tile(monkeypatch):
+    """TP 8, T = 256 plans the split-head tile; with stream-K forced, the m64 tile."""
+    assert choose_plan(DRAFTER_TP8, 256, 4096, 132).variant.tile == "m64h"
+    monkeypatch.setenv("CUTE_KERNELS_STACKED_SCHEDULE", "streamk")
+    plan = choose_plan(DRAFTER_TP8, 256, 4096, 132)
+    assert (plan.variant.tile, plan.stream_k) == ("m64", True)
 
 
 def test_split_hand_over(monkeypatch):

@@ -9,7 +9,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from .. import dsl_utils as du
-from .plan import TileConfig, tile_n
+from .plan import TileConfig
 
 BK = 64  # k-tile: one 128-byte swizzle atom of bf16 per row (layouts.STACKED_K_TILE)
 
@@ -55,10 +55,13 @@ class StackedKvProjBase:
         self.has_commit = has_commit
         self.norm_dtype = norm_dtype
         self.bm, self.bk = tile.bm, BK
-        self.bn = tile_n(head_dim, self.kv, tile.wide)
+        self.bn = tile.columns(head_dim, self.kv)
+        self.split_head = tile.split_head
+        # columns of one head in a tile: all of it, or the half of a split-head tile
+        self.head_cols = head_dim // 2 if tile.split_head else head_dim
         self.threads = threads
         self.num_n_tiles = self.n_total // self.bn
-        self.heads_per_tile = self.bn // head_dim
+        self.heads_per_tile = self.bn // self.head_cols
         # CTA raster: 8 M tiles share each weight tile while it is in L2 (16 and 32 measured
         # no faster at T = 8192)
         self.group_m = 8
@@ -69,8 +72,18 @@ class StackedKvProjBase:
 
     @cute.jit
     def tile_coords(self, tile: Int32, num_m_tiles: Int32) -> tuple:
-        """Grouped raster: ``group_m`` M tiles run next to each other on each weight tile."""
-        per_group = self.group_m * self.num_n_tiles
+        """Grouped raster: ``group_m`` M tiles run next to each other on each weight tile.
+        Split-head tiles: the two halves of a head are consecutive tiles (the two CTAs of a
+        cluster, with an even grid), the raster runs over the heads."""
+        if const_expr(self.split_head):
+            tile_m, head = self.grouped_coords(tile // 2, num_m_tiles, self.num_n_tiles // 2)
+            return tile_m, 2 * head + tile % 2
+        return self.grouped_coords(tile, num_m_tiles, self.num_n_tiles)
+
+    @cute.jit
+    def grouped_coords(self, tile: Int32, num_m_tiles: Int32, num_n_tiles: int) -> tuple:
+        """(M tile, N tile) of ``tile`` in the grouped raster over ``num_n_tiles``."""
+        per_group = self.group_m * num_n_tiles
         group = tile // per_group
         first_m = group * self.group_m
         group_rows = cutlass.min(num_m_tiles - first_m, self.group_m)
@@ -92,9 +105,11 @@ class StackedKvProjBase:
 
     @cute.jit
     def tile_layer(self, tile_n: Int32) -> tuple:
-        """(layer, first stacked column within the layer) of weight tile ``tile_n``: the tile
-        is K when that column is below ``kv``."""
+        """(layer, first stacked column within the layer) of weight tile ``tile_n`` (of its
+        head, for a split-head tile): the tile is K when that column is below ``kv``."""
         n0 = tile_n * self.bn
+        if const_expr(self.split_head):
+            n0 = (tile_n // 2) * self.head_dim
         layer = n0 // (2 * self.kv)
         return layer, n0 - layer * (2 * self.kv)
 

@@ -314,7 +314,7 @@ def _planned(layout: StackedLayout, plan: StackedPlan, args: tuple) -> Callable[
     width = 1 if cache_loc_2d is None else cache_loc_2d.shape[1]
     # (device index, fp32 slots, counters) of the hand-over buffers, and the schedule
     tile = TILES[plan.variant.tile]
-    slot_floats = tile.bm * tile_n(layout.head_dim, layout.kv, tile.wide)
+    slot_floats = tile.bm * tile.columns(layout.head_dim, layout.kv)
     index = device_index(device)
     if plan.variant.impl == "wgmma":  # two stream-K slots per CTA, a counter per tile
         workspace = (2 * plan.grid * slot_floats, 2 * plan.grid)

@@ -46,6 +46,17 @@ class TileConfig:
     # Decode tile (mma core): the weight rows are the MMA's M and the bm tokens its N, so a
     # stage of the ring is nearly all weight (see swap_ring).
     swap: bool = False
+    # Split-head tile (wgmma core): two CTAs of a 2-CTA cluster take half a head each, CTA h
+    # the head columns [h D/4, (h + 1) D/4) and [D/2 + h D/4, ...) (the NeoX partners stay in
+    # one CTA), and exchange the rows' sums of squares through DSMEM: twice the CTAs of the
+    # whole-head tile for the layouts of few weight tiles.
+    split_head: bool = False
+
+    def columns(self, head_dim: int, kv: int) -> int:
+        """Stacked columns of one CTA tile of this config."""
+        if self.split_head:
+            return head_dim // 2
+        return tile_n(head_dim, kv, self.wide)
 
 
 # Small T is weight-bandwidth bound: m64 keeps the most bytes in flight per weight tile (80
@@ -62,7 +73,19 @@ TILE_WIDE = TileConfig("m128w", bm=128, wide=True, mma_stages=0, cost=1.75)
 # measured slower than the wgmma core at T = 32 and 64 in every layout but one
 # (specs/stacked_kv_proj.md) and was dropped.
 TILE_SWAP = TileConfig("swap16", bm=16, wide=False, mma_stages=8, cost=0.0, swap=True)
-TILES = {t.name: t for t in (TILE_SMALL, TILE_MEDIUM, TILE_WIDE, TILE_SWAP)}
+# Split-head tile: data-parallel in 2-CTA clusters, twice the CTAs of m64 at half its
+# columns each. Same-run cold us against m64 (H200, 2026-12-01 22:38 UTC) where both fit one
+# wave: TP 8 T 128 13.6 / 17.8, TP 8 T 256 17.0 / 18.0, TP 4 T 128 17.0 / 19.3, TP 2 T 64
+# 21.2 / 23.3, one layer T 128 / 256 15.5 / 21.4, 18.2 / 21.9 (0.72-0.94x); a second wave
+# loses (TP 4 T 256 29.2 against 20.1).
+TILE_SPLIT_HEAD = TileConfig("m64h", bm=64, wide=False, mma_stages=0, cost=0.72,
+                             split_head=True)
+#: The split-head tile is planned above this T. At T <= 32 the swapped split plan measured
+#: as fast or faster in every layout tried (22:45 UTC, cold us, m64h against the plan before
+#: it: TP 2 T 32 22.7 / 22.5, D 64 T 1 / 16 / 32 13.6 / 10.8, 13.3 / 11.7, 13.1 / 13.0, TP 8 at
+#: H 2048 T 32 10.6 / 10.0); at T = 64 m64h won in all five layouts tried.
+SPLIT_HEAD_MIN_TOKENS = 33
+TILES = {t.name: t for t in (TILE_SMALL, TILE_MEDIUM, TILE_WIDE, TILE_SWAP, TILE_SPLIT_HEAD)}
 SWAP_TILES = tuple(name for name, t in TILES.items() if t.swap)
 #: The largest T the swapped tile is planned for (the range its cost model was fitted on).
 SWAP_MAX_TOKENS = 256
@@ -138,7 +161,7 @@ def tiles_for(impl: str) -> tuple[str, ...]:
     would need 135 KiB of fp32 C for 128 x 256), the swapped tiles are the mma core's."""
     if impl == "wgmma":
         return tuple(name for name, t in TILES.items() if not t.swap)
-    return tuple(name for name, t in TILES.items() if not t.wide)
+    return tuple(name for name, t in TILES.items() if not t.wide and not t.split_head)
 
 
 def swap_ring(tile: TileConfig, bn: int) -> tuple[int, int]:
@@ -242,10 +265,13 @@ def check_overrides(arch: str | None) -> None:
     arch (meta or CPU tensors, no ``CUTE_KERNELS_ARCH``), for a core or tile no arch has."""
     if arch is None:
         _expect_one_of(IMPL_ENV, ("auto", *IMPLS))
-        _expect_one_of(TILE_ENV, ("auto", *TILES))
+        tile = _expect_one_of(TILE_ENV, ("auto", *TILES))
     else:
-        forced_tile(choose_impl(arch))
-    forced_schedule()
+        tile = forced_tile(choose_impl(arch)) or "auto"
+    schedule = forced_schedule()
+    if tile != "auto" and TILES[tile].split_head and schedule == "streamk":
+        fail(SCHEDULE_ENV, f"auto or dp with {TILE_ENV}={tile} (a split-head plan is "
+             "data-parallel)", repr(schedule))
     ctas_cap()
     forced_splits()
     forced_handover()
@@ -267,8 +293,7 @@ STREAM_K_TILE = "m64"
 
 
 def tile_count(tokens: int, layout: StackedLayout, tile: TileConfig) -> int:
-    return -(-tokens // tile.bm) * (layout.columns
-                                    // tile_n(layout.head_dim, layout.kv, tile.wide))
+    return -(-tokens // tile.bm) * (layout.columns // tile.columns(layout.head_dim, layout.kv))
 
 
 def schedule(tiles: int, k_tiles: int, ctas: int, stream_k: bool) -> tuple[int, int]:
@@ -293,17 +318,21 @@ def estimate(tiles: int, ctas: int, tile: TileConfig) -> float:
 
 
 def choose_tile(tokens: int, impl: str, num_layers: int, n_kv: int, head_dim: int,
-                sms: int) -> str:
+                sms: int, split_head: bool = True) -> str:
     """The data-parallel tile for ``tokens`` rows of a layout on core ``impl`` with ``sms``
     SMs (``CUTE_KERNELS_STACKED_TILE`` overrides): the least ``waves x cost``, a wave being one
     tile per SM and ``cost`` a tile's measured time relative to m128. The wave count is what
     makes m128 beat m128w at T = 512..1024 on the drafter layout (3 and 5 waves against 2 and
-    3 of 1.75) and m64 lose to m128 at T = 128 (two waves of 64-row tiles, one of 128)."""
+    3 of 1.75) and m64 lose to m128 at T = 128 (two waves of 64-row tiles, one of 128), and
+    the split-head tile win where its twice as many tiles still fit one wave (above
+    ``SPLIT_HEAD_MIN_TOKENS``; never with ``split_head`` False: a stream-K plan)."""
     forced = forced_tile(impl)
     if forced is not None:
         return forced
     layout = StackedLayout(num_layers, n_kv, head_dim, False, False, "float32", "")
-    return min((name for name in tiles_for(impl) if not TILES[name].swap), key=lambda name:
+    return min((name for name in tiles_for(impl) if not TILES[name].swap and (
+        split_head and tokens >= SPLIT_HEAD_MIN_TOKENS or not TILES[name].split_head)),
+               key=lambda name:
                estimate(tile_count(tokens, layout, TILES[name]), sms, TILES[name]))
 
 
@@ -462,7 +491,7 @@ def wgmma_dp_estimate_us(layout: StackedLayout, tokens: int, hidden: int, ctas: 
                          tile: str) -> float:
     """Estimated cold time of the wgmma core's data-parallel plan with ``tile``."""
     config = TILES[tile]
-    bn = tile_n(layout.head_dim, layout.kv, config.wide)
+    bn = config.columns(layout.head_dim, layout.kv)
     waves = -(-tile_count(tokens, layout, config) // ctas)
     return wgmma_estimate_us(layout.weight_bytes(hidden), waves * bn * hidden * 2,
                              waves * 2 * config.bm * bn * hidden)
@@ -487,7 +516,9 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
     ctas = ctas if cap is None else min(ctas, cap)
     overridden = any(os.environ.get(name, "auto") != "auto"
                      for name in (IMPL_ENV, TILE_ENV, SCHEDULE_ENV))
-    tile = choose_tile(tokens, impl, layout.num_layers, layout.n_kv, layout.head_dim, ctas)
+    # a forced stream-K schedule takes a whole-head tile (the split-head plan is data-parallel)
+    tile = choose_tile(tokens, impl, layout.num_layers, layout.n_kv, layout.head_dim, ctas,
+                       split_head=forced_schedule() != "streamk")
     if not overridden and tokens <= SWAP_MAX_TOKENS:
         plan, estimate_us = swap_plan(layout, tokens, hidden, ctas, residency)
         # no other core to weigh it against on an arch without wgmma: taken when it fits
@@ -500,6 +531,11 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
     if impl == "mma":
         return split_plan(layout, tile, tokens, hidden, ctas, residency, forced_handover())
     wanted = forced_schedule()
+    if config.split_head:  # data-parallel (check_overrides), on whole 2-CTA clusters
+        # an even grid keeps a head's two halves in one cluster; no more clusters than are
+        # resident at once (a cluster cannot span GPCs), so none waits for a second wave
+        grid = max(2, min(tiles, ctas - ctas % 2, residency(2, 1)))
+        return StackedPlan(StackedVariant(impl, tile), False, grid, tiles)
     tile_bytes = layout.weight_bytes(hidden) // tiles
     stream_k = wanted == "streamk" or (
         wanted == "auto" and tokens <= STREAM_K_MAX_TOKENS

@@ -10,6 +10,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
+from cutlass._mlir.dialects import nvvm
 
 from .. import dsl_utils as du
 from .base import StackedKvProjBase, neox_rotate, r2
@@ -75,7 +76,7 @@ class StackedKvProjWgmma(StackedKvProjBase):
                          128 * (1 + self.consumer_warpgroups))
         self.stages = self.ring_stages(16, WGMMA_SMEM_BUDGET)
         self.consumer_threads = 128 * self.consumer_warpgroups
-        assert self.bm in (64, 128) and self.bn in (64, 128, 256)
+        assert self.bm in (64, 128) and self.bn in (32, 64, 128, 256)
         # A reduction gathers at most rows + contributors - 1 <= bm + MAX - 1 partial rows.
         self.gather_floats = (self.bm + MAX_CONTRIBUTORS - 1) * (self.bn + GATHER_PAD)
         assert self.gather_floats * 4 <= self.stages * (self.bm + self.bn) * self.bk * 2, (
@@ -119,6 +120,15 @@ class StackedKvProjWgmma(StackedKvProjBase):
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mX_rows,
             cute.slice_(sA_layout, (None, None, 0)), (self.bm, self.bk),
         )
+        if const_expr(self.split_head):
+            # Weight row head * D + half * D/2 + h * D/4 + r as modes (r, half, h, head): one
+            # 5-D TMA box of (D/4 rows, both halves) is split-head tile 2 * head + h, the
+            # head columns [h D/4, (h + 1) D/4) then [D/2 + h D/4, ...) of its CTA.
+            quarter = self.head_dim // 4
+            rs = mW.stride[0]
+            mW = cute.make_tensor(mW.iterator, cute.make_layout(
+                ((quarter, 2, 2, mW.shape[0] // self.head_dim), mW.shape[1]),
+                stride=((rs, 2 * quarter * rs, quarter * rs, self.head_dim * rs), 1)))
         tma_b, tma_mW = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mW,
             cute.slice_(sB_layout, (None, None, 0)), (self.bn, self.bk),
@@ -127,21 +137,31 @@ class StackedKvProjWgmma(StackedKvProjBase):
         @cute.struct
         class SharedStorage:
             full_empty: cute.struct.MemRange[Int64, self.stages * 2]
+            # split-head tiles: per buffer (unit parity) the peer's row sums of squares and
+            # the mbarrier its 32 quad leaders arrive on
+            exchange_bar: cute.struct.MemRange[Int64, 2]
+            exchange: cute.struct.MemRange[Float32, 2 * self.bm]
             sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sA_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sB_layout)], 1024]
 
         self.shared_storage = SharedStorage
-        self.kernel(
+        kernel = self.kernel(
             tma_a, tma_mA, tma_b, tma_mW, mBias, mNormW, eps, mPos, mCosSin, mLoc, mCommit,
             width, k_caches, v_caches, mWork, mCount, dp_tiles, sA_layout, sB_layout, tiled_mma,
-        ).launch(
-            grid=[grid_ctas, 1, 1],
-            block=[self.threads, 1, 1],
-            stream=stream,
-            # all CTAs resident together or none: a stream-K CTA waits for the partials of
-            # others, which must not be queued behind it (nor behind another such kernel)
-            cooperative=True,
         )
+        if const_expr(self.split_head):  # data-parallel: it waits only inside its clusters
+            kernel.launch(grid=[grid_ctas, 1, 1], block=[self.threads, 1, 1],
+                          cluster=[2, 1, 1], stream=stream)
+        else:
+            kernel.launch(
+                grid=[grid_ctas, 1, 1],
+                block=[self.threads, 1, 1],
+                stream=stream,
+                # all CTAs resident together or none: a stream-K CTA waits for the partials
+                # of others, which must not be queued behind it (nor behind another such
+                # kernel)
+                cooperative=True,
+            )
 
     @cute.kernel
     def kernel(
@@ -195,7 +215,15 @@ class StackedKvProjWgmma(StackedKvProjBase):
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
             defer_sync=True,
         )
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        if const_expr(self.split_head):
+            if tidx == 0:
+                for b in cutlass.range_constexpr(2):
+                    cute.arch.mbarrier_init(storage.exchange_bar.data_ptr() + b,
+                                            self.consumer_threads // 4)
+        # (a split-head CTA's peer arrives on its exchange barriers: both CTAs of the cluster
+        # pass this barrier before any exchange)
+        cluster_shape = (2, 1) if self.split_head else (1, 1)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_shape, is_relaxed=True)
 
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
@@ -212,7 +240,7 @@ class StackedKvProjWgmma(StackedKvProjBase):
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
         )
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        pipeline.pipeline_init_wait(cluster_shape_mn=cluster_shape)
 
         warpgroup = cute.arch.make_warp_uniform(tidx // 128)
         if warpgroup == 0:
@@ -255,6 +283,9 @@ class StackedKvProjWgmma(StackedKvProjBase):
             # Zeroed accumulators (each unit) and a static ACCUMULATE flag (set once, outside
             # the unit's branches): nothing loop-carried in the MMA.
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            exchange = (Int32(storage.exchange.data_ptr().toint()),
+                        storage.exchange_bar.data_ptr())
+            exchanges = Int32(0)  # split-head: sums of squares exchanged so far (K tiles)
             for unit in cutlass.range(num_dp + sk.num_segments + sk.num_reductions, unroll=1):
                 # -- what this unit is: (tile, k-range, mode) ------------------------------
                 tile = bid + unit * grid
@@ -311,10 +342,19 @@ class StackedKvProjWgmma(StackedKvProjBase):
                 if mode == PARTIAL:
                     self.store_partial(sk, seg, mWork, mCount, acc, tCcC, rows_valid, ctid)
                 else:
-                    self.epilogue(acc, tCcC, mBias, mNormW, eps, mCosSin, k_caches, v_caches,
-                                  tile_n, [(slot, valid) for _, slot, valid in rows], positions)
+                    exchanges = self.epilogue(
+                        acc, tCcC, mBias, mNormW, eps, mCosSin, k_caches, v_caches, tile_n,
+                        [(slot, valid) for _, slot, valid in rows], positions, exchange,
+                        exchanges)
                 if mode == REDUCE:
                     self.finish_reduction(seg, count, mCount, ctid)
+        if const_expr(self.split_head):
+            # Every remote write into a CTA precedes the arrivals it waits for, so no CTA can
+            # exit while its peer still writes into it; a cluster barrier at the end says so
+            # in a form compute-sanitizer's racecheck sees (it does not follow the remote
+            # mbarrier arrivals: 1792 "block might have exited" reports without it).
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     @cute.jit
     def load_stage(self, ring, producer, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, tile_m: Int32,
@@ -439,18 +479,27 @@ class StackedKvProjWgmma(StackedKvProjBase):
         tile_n: Int32,
         rows: list,
         positions: list,
-    ) -> None:
+        exchange: tuple,
+        exchanges: Int32,
+    ) -> Int32:
         """This thread's two rows of the tile -> cache rows, from the accumulator registers.
         Register ``4j + 2r + e`` holds row ``r`` (0: the first, 1: +8), column ``8j + e``
         beyond the thread's first column; its NeoX partner is ``D / 16`` groups of 8 on.
         ``rows``: (slot, written?) per row; ``positions``: the RoPE position per row. Both
-        rows are finished before either is stored, so no load waits behind a store."""
+        rows are finished before either is stored, so no load waits behind a store.
+        Split-head tiles: the tile's columns are head columns ``[h D/4, (h + 1) D/4)`` then
+        ``[D/2 + h D/4, ...)``, and each row's sum of squares is completed with the peer's
+        (``exchange``: this CTA's buffer and barriers; ``exchanges``: how many it did before).
+        Returns ``exchanges`` counted on."""
         groups = self.bn // 8  # column groups of 8 per row
-        head_groups = self.head_dim // 8
+        head_groups = self.head_cols // 8  # a head's column groups in this tile
         partner = 4 * (head_groups // 2)  # register distance from d to d + D/2
-        quad_col = tCcC[0][1]  # this thread's first column: 2 * (lane % 4)
+        # this thread's first head column: 2 * (lane % 4), in its quarter for a split head
+        col_base = tCcC[0][1]
+        if const_expr(self.split_head):
+            col_base = col_base + (tile_n % 2) * (self.head_dim // 4)
         layer, is_k, base, row_bytes = self.tile_destination(tile_n, k_caches, v_caches,
-                                                             quad_col)
+                                                             col_base)
         rWord = cute.make_rmem_tensor((1,), Uint32)
         # The rounding helpers are inline PTX, which the compiler keeps in program order with
         # the loads, so a load placed next to the math that uses it waits for its own L2 /
@@ -460,7 +509,7 @@ class StackedKvProjWgmma(StackedKvProjBase):
         if const_expr(self.has_bias):
             rB = cute.make_rmem_tensor((groups * 2,), BFloat16)  # [j][e]; both rows share it
             for j in cutlass.range_constexpr(groups):
-                col = tile_n * self.bn + quad_col + 8 * j
+                col = self.stacked_column(tile_n, col_base, j)
                 cute.autovec_copy(cute.local_tile(mBias, (2,), (col // 2,)),
                                   cute.local_tile(rB, (2,), (j,)))
             for j in cutlass.range_constexpr(groups):
@@ -481,7 +530,7 @@ class StackedKvProjWgmma(StackedKvProjBase):
             rW = cute.make_rmem_tensor((batch_pairs * 4,), self.norm_dtype)  # [g][h][e]
             rCos = cute.make_rmem_tensor((batch_rows * batch_pairs * 2,), Float32)  # [r][g][e]
             rSin = cute.make_rmem_tensor((batch_rows * batch_pairs * 2,), Float32)
-            self.load_norm_inputs(mNormW, mCosSin, layer, positions, quad_col, batches[0],
+            self.load_norm_inputs(mNormW, mCosSin, layer, positions, col_base, batches[0],
                                   batch_rows, batch_pairs, rW, rCos, rSin)
 
             # R1 for K heads; a V value's R1 is the bf16 rounding of its store.
@@ -501,10 +550,14 @@ class StackedKvProjWgmma(StackedKvProjBase):
                             ss = ss + y * y
                     ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=1)  # the quad holds
                     ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=2)  # the whole row
-                    rstd.append(du.rsqrt_approx(ss * inv_d + eps))
+                    rstd.append(ss)
+            if const_expr(self.split_head):
+                rstd = self.exchange_sums(rstd, tCcC, exchange, exchanges)
+                exchanges = exchanges + 1
+            rstd = [du.rsqrt_approx(ss * inv_d + eps) for ss in rstd]
             for n, (r0, g0) in enumerate(batches):
                 if const_expr(n > 0):
-                    self.load_norm_inputs(mNormW, mCosSin, layer, positions, quad_col,
+                    self.load_norm_inputs(mNormW, mCosSin, layer, positions, col_base,
                                           (r0, g0), batch_rows, batch_pairs, rW, rCos, rSin)
                 for head in cutlass.range_constexpr(self.heads_per_tile):
                     first = 4 * head * head_groups
@@ -527,7 +580,44 @@ class StackedKvProjWgmma(StackedKvProjBase):
                 row_addr = base + Int64(slot) * row_bytes
                 for j in cutlass.range_constexpr(groups):
                     rWord[0] = du.pack_bf16x2(acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1])  # R3
-                    du.store_words(row_addr + 16 * j, rWord, align=4)
+                    # a split head's second half starts D/4 columns past its first one's end
+                    gap = 2 * (self.head_dim // 4) if self.split_head and j >= groups // 2 else 0
+                    du.store_words(row_addr + 16 * j + gap, rWord, align=4)
+        return exchanges
+
+    @cute.jit
+    def stacked_column(self, tile_n: Int32, col_base: Int32, j: int) -> Int32:
+        """Stacked column of this thread's column group ``j`` of tile ``tile_n``."""
+        if const_expr(self.split_head):
+            gap = self.head_dim // 4 if j >= self.bn // 16 else 0
+            return (tile_n // 2) * self.head_dim + col_base + 8 * j + gap
+        return tile_n * self.bn + col_base + 8 * j
+
+    @cute.jit
+    def exchange_sums(self, sums: list, tCcC: cute.Tensor, exchange: tuple,
+                      exchanges: Int32) -> list:
+        """Split-head tiles: this thread's rows' sums of squares over the head's full D
+        columns. The quad leader of each row pair writes its two half-head sums into the
+        peer CTA's buffer (parity ``exchanges % 2``) and arrives on the peer's barrier
+        (release, cluster scope); every thread waits on its own barrier (acquire, cluster
+        scope) and adds the peer's halves (IEEE addition commutes: both CTAs get the same
+        bits). A buffer is written again two exchanges later, after the peer has arrived on
+        this CTA's barrier for the exchange between, which it does after reading it."""
+        buf_addr, bars = exchange
+        buf = exchanges % 2
+        phase = (exchanges // 2) % 2
+        peer = 1 - cute.arch.block_idx_in_cluster()  # the CTA of the other half
+        lane = cute.arch.lane_idx()
+        addrs = [buf_addr + (buf * self.bm + tCcC[2 * r][0]) * 4 for r in range(2)]
+        if lane % 4 == 0:
+            for r in cutlass.range_constexpr(2):
+                du.store_peer_f32(addrs[r], peer, sums[r])
+            cute.arch.mbarrier_arrive(bars + buf, peer_cta_rank_in_cluster=peer,
+                                      scope=nvvm.MemScopeKind.CLUSTER)
+        bar_addr = Int32((bars + buf).toint())
+        while mbarrier_try_wait_cluster(bar_addr, phase) == 0:
+            pass
+        return [sums[r] + du.load_shared_b32(addrs[r], Float32) for r in range(2)]
 
     @cute.jit
     def load_norm_inputs(self, mNormW: cute.Tensor, mCosSin: cute.Tensor, layer: Int32,
@@ -550,3 +640,13 @@ class StackedKvProjWgmma(StackedKvProjBase):
                                   cute.local_tile(rCos, (2,), (r * pairs + g,)))
                 cute.autovec_copy(cute.local_tile(gCS, (2,), ((half + d) // 2,)),
                                   cute.local_tile(rSin, (2,), (r * pairs + g,)))
+
+
+def mbarrier_try_wait_cluster(bar_addr: Int32, phase: Int32) -> Int32:
+    """1 once the mbarrier at ``bar_addr`` (this CTA's shared memory) has completed phase
+    ``phase``, else 0 after a bounded wait; acquire at cluster scope, so the peer CTA's
+    writes released by its arrivals are visible."""
+    return cute.arch.inline_ptx(
+        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, "
+        "[{$r0}], {$r1}; selp.b32 {$w0}, 1, 0, p; }",
+        write_only_types=[Int32], read_only_args=[bar_addr, phase])
