@@ -330,9 +330,10 @@ def choose_tile(tokens: int, impl: str, num_layers: int, n_kv: int, head_dim: in
     if forced is not None:
         return forced
     layout = StackedLayout(num_layers, n_kv, head_dim, False, False, "float32", "")
-    return min((name for name in tiles_for(impl) if not TILES[name].swap and (
-        split_head and tokens >= SPLIT_HEAD_MIN_TOKENS or not TILES[name].split_head)),
-               key=lambda name:
+    split_head = split_head and tokens >= SPLIT_HEAD_MIN_TOKENS
+    candidates = [name for name, t in TILES.items() if name in tiles_for(impl)
+                  and not t.swap and (split_head or not t.split_head)]
+    return min(candidates, key=lambda name:
                estimate(tile_count(tokens, layout, TILES[name]), sms, TILES[name]))
 
 
