@@ -107,9 +107,7 @@ class StackedKvProjBase:
     def tile_layer(self, tile_n: Int32) -> tuple:
         """(layer, first stacked column within the layer) of weight tile ``tile_n`` (of its
         head, for a split-head tile): the tile is K when that column is below ``kv``."""
-        n0 = tile_n * self.bn
-        if const_expr(self.split_head):
-            n0 = (tile_n // 2) * self.head_dim
+        n0 = (tile_n // 2) * self.head_dim if self.split_head else tile_n * self.bn
         layer = n0 // (2 * self.kv)
         return layer, n0 - layer * (2 * self.kv)
 

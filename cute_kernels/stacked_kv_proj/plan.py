@@ -331,8 +331,8 @@ def choose_tile(tokens: int, impl: str, num_layers: int, n_kv: int, head_dim: in
         return forced
     layout = StackedLayout(num_layers, n_kv, head_dim, False, False, "float32", "")
     split_head = split_head and tokens >= SPLIT_HEAD_MIN_TOKENS
-    candidates = [name for name, t in TILES.items() if name in tiles_for(impl)
-                  and not t.swap and (split_head or not t.split_head)]
+    candidates = [name for name in tiles_for(impl)
+                  if not TILES[name].swap and (split_head or not TILES[name].split_head)]
     return min(candidates, key=lambda name:
                estimate(tile_count(tokens, layout, TILES[name]), sms, TILES[name]))
 
@@ -517,9 +517,10 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
     ctas = ctas if cap is None else min(ctas, cap)
     overridden = any(os.environ.get(name, "auto") != "auto"
                      for name in (IMPL_ENV, TILE_ENV, SCHEDULE_ENV))
+    wanted = forced_schedule()
     # a forced stream-K schedule takes a whole-head tile (the split-head plan is data-parallel)
     tile = choose_tile(tokens, impl, layout.num_layers, layout.n_kv, layout.head_dim, ctas,
-                       split_head=forced_schedule() != "streamk")
+                       split_head=wanted != "streamk")
     if not overridden and tokens <= SWAP_MAX_TOKENS:
         plan, estimate_us = swap_plan(layout, tokens, hidden, ctas, residency)
         # no other core to weigh it against on an arch without wgmma: taken when it fits
@@ -531,7 +532,6 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
     tiles = tile_count(tokens, layout, config)
     if impl == "mma":
         return split_plan(layout, tile, tokens, hidden, ctas, residency, forced_handover())
-    wanted = forced_schedule()
     if config.split_head:  # data-parallel (check_overrides), on whole 2-CTA clusters
         # an even grid keeps a head's two halves in one cluster; no more clusters than are
         # resident at once (a cluster cannot span GPCs), so none waits for a second wave

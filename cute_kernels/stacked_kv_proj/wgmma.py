@@ -580,18 +580,20 @@ class StackedKvProjWgmma(StackedKvProjBase):
                 row_addr = base + Int64(slot) * row_bytes
                 for j in cutlass.range_constexpr(groups):
                     rWord[0] = du.pack_bf16x2(acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1])  # R3
-                    # a split head's second half starts D/4 columns past its first one's end
-                    gap = 2 * (self.head_dim // 4) if self.split_head and j >= groups // 2 else 0
-                    du.store_words(row_addr + 16 * j + gap, rWord, align=4)
+                    du.store_words(row_addr + 2 * self.group_offset(j), rWord, align=4)
         return exchanges
+
+    def group_offset(self, j: int) -> int:
+        """Columns from this thread's first column to its column group ``j``: 8 a group; a
+        split head's second half starts ``D/4`` columns past the end of its first."""
+        gap = self.head_dim // 4 if self.split_head and j >= self.bn // 16 else 0
+        return 8 * j + gap
 
     @cute.jit
     def stacked_column(self, tile_n: Int32, col_base: Int32, j: int) -> Int32:
         """Stacked column of this thread's column group ``j`` of tile ``tile_n``."""
-        if const_expr(self.split_head):
-            gap = self.head_dim // 4 if j >= self.bn // 16 else 0
-            return (tile_n // 2) * self.head_dim + col_base + 8 * j + gap
-        return tile_n * self.bn + col_base + 8 * j
+        first = (tile_n // 2) * self.head_dim if self.split_head else tile_n * self.bn
+        return first + col_base + self.group_offset(j)
 
     @cute.jit
     def exchange_sums(self, sums: list, tCcC: cute.Tensor, exchange: tuple,
@@ -621,7 +623,7 @@ class StackedKvProjWgmma(StackedKvProjBase):
 
     @cute.jit
     def load_norm_inputs(self, mNormW: cute.Tensor, mCosSin: cute.Tensor, layer: Int32,
-                         positions: list, quad_col: Int32, batch: tuple, rows: int, pairs: int,
+                         positions: list, col_base: Int32, batch: tuple, rows: int, pairs: int,
                          rW: cute.Tensor, rCos: cute.Tensor, rSin: cute.Tensor) -> None:
         """Request the norm weights of column pairs ``g0 .. g0 + pairs - 1`` of this thread
         and the cos / sin of its rows ``r0 .. r0 + rows - 1`` at them, all at once
@@ -629,7 +631,7 @@ class StackedKvProjWgmma(StackedKvProjBase):
         r0, g0 = batch
         half = self.head_dim // 2
         for g in cutlass.range_constexpr(pairs):
-            d = quad_col + 8 * (g0 + g)  # head column of the first half
+            d = col_base + 8 * (g0 + g)  # head column of the first half
             for h in cutlass.range_constexpr(2):
                 cute.autovec_copy(
                     cute.local_tile(mNormW[layer, None], (2,), ((d + h * half) // 2,)),
