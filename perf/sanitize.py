@@ -95,6 +95,18 @@ def _stacked_kv_proj() -> int:
                 calls += 1
                 for key in env:
                     os.environ.pop(key)
+    # the weight's evict-first loads (plan.EVICT_FIRST_WEIGHT_BYTES: 12 MiB here), as planned
+    for impl in impls_for(arch):
+        os.environ["CUTE_KERNELS_STACKED_IMPL"] = impl
+        for tokens in (1, 37):
+            case = stacked_kv_proj_case(tokens, 6144, 2, 2, 128, "cuda")
+            _, _, ref_k, ref_v = case.twin()
+            reference.stacked_kv_proj(*case.args(ref_k, ref_v))
+            stacked_kv_proj(*case.args())
+            torch.cuda.synchronize()
+            assert compare_stacked(case, ref_k, ref_v).untouched_equal, (impl, tokens)
+            calls += 1
+        os.environ.pop("CUTE_KERNELS_STACKED_IMPL")
     return calls
 
 

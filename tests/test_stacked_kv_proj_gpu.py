@@ -247,13 +247,14 @@ SCHEDULES = {"dp": {SCHEDULE_ENV: "dp"}, "streamk": {SCHEDULE_ENV: "streamk"},
                                 HANDOVER_ENV: "cluster"}}
 
 
+@pytest.mark.parametrize("n_kv", [1, 2])  # a 10 MiB weight, and a 20 MiB one: evict-first loads
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_bitwise_deterministic(schedule, monkeypatch):
+def test_bitwise_deterministic(schedule, n_kv, monkeypatch):
     """Two runs on the same inputs give identical bytes (the stream-K and split-K sums have a
-    fixed order)."""
+    fixed order), with the weight's loads of either L2 policy (plan.EVICT_FIRST_WEIGHT_BYTES)."""
     for name, value in SCHEDULES[schedule].items():
         monkeypatch.setenv(name, value)
-    case = make_case(64, 4096, 5, 1, 128, "cuda", seed=5)
+    case = make_case(64, 4096, 5, n_kv, 128, "cuda", seed=5)
     results = []
     for _ in range(3):
         case.poison()

@@ -9,7 +9,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from .. import dsl_utils as du
-from .plan import TileConfig
+from .plan import EVICT_FIRST_WEIGHT_BYTES, TileConfig
 
 BK = 64  # k-tile: one 128-byte swizzle atom of bf16 per row (layouts.STACKED_K_TILE)
 
@@ -69,6 +69,12 @@ class StackedKvProjBase:
     def ring_stages(self, cap: int, budget: int) -> int:
         """A/B ring depth: ``cap`` stages, fewer if the budget holds fewer."""
         return max(2, min(cap, budget // ((self.bm + self.bn) * self.bk * 2)))
+
+    def weight_evict_first(self, hidden: Int32) -> cutlass.Boolean:
+        """Whether the weight's loads carry the L2 evict_first policy
+        (``dsl_utils.evict_first_policy``): from :data:`~.plan.EVICT_FIRST_WEIGHT_BYTES` of
+        weight (``n_total x hidden`` bf16)."""
+        return Int64(self.n_total * 2) * Int64(hidden) >= Int64(EVICT_FIRST_WEIGHT_BYTES)
 
     @cute.jit
     def tile_coords(self, tile: Int32, num_m_tiles: Int32) -> tuple:

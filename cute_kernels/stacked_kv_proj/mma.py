@@ -376,15 +376,17 @@ class StackedKvProjMma(StackedKvProjBase):
         tApA = self._row_predicate(tAgA, thr_a.partition_S(cA), mA.shape[0])
         tBpB = self._row_predicate(tBgB, thr_b.partition_S(cB), mB.shape[0])
         k_count = k_hi - k_lo
+        # the weight's L2 policy (A and B are both K-major: [rows, H])
+        evict_first = self.weight_evict_first(mA.shape[1])
+        stream = du.evict_first_policy()
 
         # Prologue: stages - 1 tiles in flight (fewer when the range is short; every group
         # committed).
         for s in cutlass.range_constexpr(self.stages - 1):
             if s < k_count:
-                cute.copy(copy_a, tAgA[None, None, None, k_lo + s],
-                          tAsA[None, None, None, s], pred=tApA)
-                cute.copy(copy_b, tBgB[None, None, None, k_lo + s],
-                          tBsB[None, None, None, s], pred=tBpB)
+                self.load_operands(copy_a, tAgA, tAsA, tApA, copy_b, tBgB, tBsB, tBpB, mA,
+                                   tile_a, sA, mB, tile_b, sB, k_lo + s, s, tidx, evict_first,
+                                   stream)
             cute.arch.cp_async_commit_group()
 
         thr_mma = tiled_mma.get_slice(tidx)
@@ -436,10 +438,9 @@ class StackedKvProjMma(StackedKvProjBase):
                 cute.copy(s2r_b, tXsB_p[None, None, kb_next], tXrB[None, None, kb_next])
                 if const_expr(kb == 0):
                     if next_tile < k_count:
-                        cute.copy(copy_a, tAgA[None, None, None, k_lo + next_tile],
-                                  tAsA[None, None, None, write_stage], pred=tApA)
-                        cute.copy(copy_b, tBgB[None, None, None, k_lo + next_tile],
-                                  tBsB[None, None, None, write_stage], pred=tBpB)
+                        self.load_operands(copy_a, tAgA, tAsA, tApA, copy_b, tBgB, tBsB, tBpB,
+                                           mA, tile_a, sA, mB, tile_b, sB, k_lo + next_tile,
+                                           write_stage, tidx, evict_first, stream)
                     next_tile = next_tile + 1
                     cute.arch.cp_async_commit_group()
                     write_stage = read_stage
@@ -451,6 +452,53 @@ class StackedKvProjMma(StackedKvProjBase):
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()  # the ring is reused for the C staging tile
         return tCrC
+
+    @cute.jit
+    def load_operands(self, copy_a: cute.TiledCopy, tAgA: cute.Tensor, tAsA: cute.Tensor,
+                      tApA: cute.Tensor, copy_b: cute.TiledCopy, tBgB: cute.Tensor,
+                      tBsB: cute.Tensor, tBpB: cute.Tensor, mA: cute.Tensor, tile_a: Int32,
+                      sA: cute.Tensor, mB: cute.Tensor, tile_b: Int32, sB: cute.Tensor,
+                      k_tile: Int32, stage: Int32, tidx: Int32, evict_first: cutlass.Boolean,
+                      stream: Int64) -> None:
+        """Start the copies of k-tile ``k_tile`` of both operands into ring stage ``stage``,
+        each by its tiled copy (the tokens predicated on ``T``) — except the weight's when
+        ``evict_first``: then :meth:`load_weight_stage`, with the L2 policy ``stream``."""
+        if const_expr(self.swap):  # the weight is A
+            if evict_first:
+                self.load_weight_stage(mA, tile_a, self.mma_m, sA, k_tile, stage, tidx, stream)
+            else:
+                cute.copy(copy_a, tAgA[None, None, None, k_tile],
+                          tAsA[None, None, None, stage], pred=tApA)
+            cute.copy(copy_b, tBgB[None, None, None, k_tile], tBsB[None, None, None, stage],
+                      pred=tBpB)
+        else:
+            cute.copy(copy_a, tAgA[None, None, None, k_tile], tAsA[None, None, None, stage],
+                      pred=tApA)
+            if evict_first:
+                self.load_weight_stage(mB, tile_b, self.mma_n, sB, k_tile, stage, tidx, stream)
+            else:
+                cute.copy(copy_b, tBgB[None, None, None, k_tile],
+                          tBsB[None, None, None, stage], pred=tBpB)
+
+    @cute.jit
+    def load_weight_stage(self, mW: cute.Tensor, tile: Int32, rows: int, sW: cute.Tensor,
+                          k_tile: Int32, stage: Int32, tidx: Int32, stream: Int64) -> None:
+        """K-tile ``k_tile`` of weight tile ``tile`` (``rows`` rows) into ring stage ``stage``
+        of ``sW``: the tiled copy's 16-byte copies (thread ``t`` chunk ``t mod 8`` of rows
+        ``t / 8 + i threads / 8``) at the ring's swizzled addresses (:meth:`_smem_layout_ab`:
+        chunk ``c`` of row ``r`` at ``c ^ (r mod 8)``), with the L2 cache policy ``stream``
+        (``dsl_utils.evict_first_policy``): a tiled copy cannot carry one."""
+        per_row = self.bk // CHUNK
+        rows_per_pass = self.threads // per_row
+        chunk = tidx % per_row
+        row_bytes = self.bk * 2
+        base = Int32(sW.iterator.toint()) + stage * (rows * row_bytes)
+        src = (mW.iterator.toint() + (Int64(tile * rows) * mW.stride[0] + k_tile * self.bk
+                                      + chunk * CHUNK) * 2)
+        for i in cutlass.range_constexpr(rows // rows_per_pass):
+            r = tidx // per_row + i * rows_per_pass
+            du.cp_async_16(base + r * row_bytes + (chunk ^ (r % 8)) * 16,
+                           src + Int64(r) * mW.stride[0] * 2, stream)
 
     @staticmethod
     def _row_predicate(tXgX: cute.Tensor, tXcX: cute.Tensor, rows: Int32) -> cute.Tensor:

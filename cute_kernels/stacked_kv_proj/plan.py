@@ -94,6 +94,17 @@ SWAP_MAX_TOKENS = 256
 #: splits of a 108 KiB ring; TP 1: 80 tiles unsplit; D = 256: 4 x 8 of 204 KiB); more CTAs
 #: only add partials to gather.
 SPLIT_IN_FLIGHT_BYTES = 8 << 20
+#: Weight bytes from which both cores load the weight with the L2 evict_first policy
+#: (``dsl_utils.evict_first_policy``): a weight read once per call then replaces its own lines
+#: in the L2 instead of the dirty ones an earlier kernel left there (the benchmark's write
+#: flush), whose write-back would share the DRAM with it. Same-run A/B, H200, 2026-12-02 00:11
+#: UTC, cold us, without -> with: TP 1 (80 MiB) T 1 / 64 / 256 34.9 / 38.2 / 55.7 -> 30.7 /
+#: 34.6 / 54.0, TP 2 (40 MiB) T 1 / 64 20.6 / 23.2 -> 18.8 / 21.2, TP 4 (20 MiB) T 1 / 64
+#: 13.6 / 16.7 -> 13.0 / 15.5, one layer (16 MiB) T 1 12.9 -> 12.4, T >= 1024 within noise;
+#: with a clean L2 the same cells within 3 %. TP 8 (10 MiB) lost: T 1 10.6 -> 10.8 (00:03
+#: UTC), with the L2 clean 9.2 -> 9.5: below some size the write-back saved is less than what
+#: the policy costs, so its loads carry no hint.
+EVICT_FIRST_WEIGHT_BYTES = 12 << 20
 #: Most K splits of a tile that form one cluster and hand their partials over through
 #: distributed shared memory (the portable cluster size); more go through the workspace.
 CLUSTER_MAX_SPLITS = 8

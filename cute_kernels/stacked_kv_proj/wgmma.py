@@ -249,19 +249,21 @@ class StackedKvProjWgmma(StackedKvProjBase):
                 producer = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
+                evict_first = self.weight_evict_first(mA.shape[1])
+                stream = du.evict_first_policy()
                 # The consumers' order: the data-parallel tiles, then the stream-K range.
                 # (pipeline states advance in the loop bodies: the tracer carries locals only)
                 for tile in cutlass.range(bid, dp_tiles, grid, unroll=1):
                     tile_m, tile_n = self.tile_coords(tile, num_m_tiles)
                     for k_tile in cutlass.range(k_tiles, unroll=1):
                         self.load_stage(ring, producer, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB,
-                                        tile_m, tile_n, k_tile)
+                                        tile_m, tile_n, k_tile, evict_first, stream)
                         producer.advance()
                 for it in cutlass.range(sk.begin, sk.end, unroll=1):
                     seg = it // k_tiles
                     tile_m, tile_n = self.tile_coords(dp_tiles + seg, num_m_tiles)
                     self.load_stage(ring, producer, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB,
-                                    tile_m, tile_n, it - seg * k_tiles)
+                                    tile_m, tile_n, it - seg * k_tiles, evict_first, stream)
                     producer.advance()
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -358,14 +360,20 @@ class StackedKvProjWgmma(StackedKvProjBase):
 
     @cute.jit
     def load_stage(self, ring, producer, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, tile_m: Int32,
-                   tile_n: Int32, k_tile: Int32) -> None:
-        """Producer: TMA k-tile ``k_tile`` of A (tile_m) and B (tile_n) into the next stage."""
+                   tile_n: Int32, k_tile: Int32, evict_first: cutlass.Boolean,
+                   stream: Int64) -> None:
+        """Producer: TMA k-tile ``k_tile`` of A (tile_m) and B (tile_n; with the L2 cache
+        policy ``stream`` when ``evict_first``) into the next stage."""
         ring.producer_acquire(producer)
         barrier = ring.producer_get_barrier(producer)
         cute.copy(tma_a, tAgA[(None, tile_m, k_tile)], tAsA[(None, producer.index)],
                   tma_bar_ptr=barrier)
-        cute.copy(tma_b, tBgB[(None, tile_n, k_tile)], tBsB[(None, producer.index)],
-                  tma_bar_ptr=barrier)
+        if evict_first:
+            cute.copy(tma_b, tBgB[(None, tile_n, k_tile)], tBsB[(None, producer.index)],
+                      tma_bar_ptr=barrier, cache_policy=stream)
+        else:
+            cute.copy(tma_b, tBgB[(None, tile_n, k_tile)], tBsB[(None, producer.index)],
+                      tma_bar_ptr=barrier)
         ring.producer_commit(producer)
 
     @cute.jit
