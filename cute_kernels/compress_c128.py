@@ -149,6 +149,12 @@ class CompressC128:
     RING = 3
     QUEUE = 4  # windows the issuing cursor has started and the pooling one not yet stored
     SCAN_AHEAD = 4  # chunks whose positions the issuing cursor tests at once
+    # A cluster's first windows are read with the L2 evict_first policy (du.evict_first_policy):
+    # 4 windows of each of 30 clusters (60 MiB, about the L2's size) then replace the state's
+    # own lines, not the dirty ones an earlier kernel left (whose write-back shares the DRAM
+    # with the stream). Later windows take the DSL's copies without a hint: a larger stream
+    # writes those lines back anyway, and the hinted copies measured slower there (PERF.md).
+    EVICT_FIRST_WINDOWS = 4
 
     def __init__(self, fmt: CacheFormat) -> None:
         self.fmt = fmt  # the norm weight's dtype only changes the argument type, not the body
@@ -235,7 +241,6 @@ class CompressC128:
             byte_alignment=128,
         )
         tRsR = sRing[None, None, None, warp * 32 + lane]  # this thread's (4, 8, RING) chunks
-        g2s = du.cp_async_atom(Float32)
         # A CTA may write into a peer's shared memory only once the peer has started: every
         # thread arrives here and waits before the pooling cursor (by then the peers have
         # long entered, so the wait is short, and the first copies are already in flight).
@@ -256,6 +261,7 @@ class CompressC128:
         # the first chunk may hold no boundary token while a later one does
         cursor = self.skip_empty_chunks(tokens, IssueCursor(
             Int32(0), mask, page0, page1, window_start, kv_slot, Int32(0), Int32(0)))
+        g2s = du.cp_async_atom(Float32)
         for first_slot in cutlass.range_constexpr(self.RING):
             cursor = self.issue(g2s, mState, tRsR[None, None, first_slot], sWindows, tokens,
                                 cursor, rank)
@@ -395,12 +401,13 @@ class CompressC128:
             row_half = lane // 16
             col_tile = rank * (GROUP // self.COLS_PER_LANE) + lane % 16  # 4-column tile index
             score_tile = col_tile + HEAD_DIM // self.COLS_PER_LANE
-            for i in cutlass.range_constexpr(self.HALF_STEPS):
-                gRow = mState[page, 2 * i + row_half, None]
-                cute.copy(g2s, cute.local_tile(gRow, (self.COLS_PER_LANE,), (col_tile,)),
-                          tHsH[None, i])
-                cute.copy(g2s, cute.local_tile(gRow, (self.COLS_PER_LANE,), (score_tile,)),
-                          tHsH[None, self.HALF_STEPS + i])
+            # this cluster's window ``issued - half``: its first EVICT_FIRST_WINDOWS go to
+            # evict-first L2 lines (see there), the others as copies of the DSL's atom
+            if issued - half < self.EVICT_FIRST_WINDOWS:
+                self.copy_half(g2s, mState, page, row_half, col_tile, score_tile, tHsH,
+                               du.evict_first_policy())
+            else:
+                self.copy_half(g2s, mState, page, row_half, col_tile, score_tile, tHsH, None)
             if half == 0:
                 if tokens.warp == 0 and lane == src:
                     sWindows[0, issued % self.QUEUE] = window_start
@@ -415,6 +422,25 @@ class CompressC128:
                 )
         cute.arch.cp_async_commit_group()
         return IssueCursor(chunk, mask, page0, page1, window_start, kv_slot, half, issued)
+
+    @cute.jit
+    def copy_half(self, g2s: cute.CopyAtom, mState: cute.Tensor, page: Int32, row_half: Int32,
+                  col_tile: Int32, score_tile: Int32, tHsH: cute.Tensor,
+                  policy: Int64 | None) -> None:
+        """This lane's 8 copies of a half window (:meth:`issue`): with the L2 cache ``policy``
+        when given (inline PTX), else through ``g2s``."""
+        for i in cutlass.range_constexpr(self.HALF_STEPS):
+            gRow = mState[page, 2 * i + row_half, None]
+            gK = cute.local_tile(gRow, (self.COLS_PER_LANE,), (col_tile,))
+            gS = cute.local_tile(gRow, (self.COLS_PER_LANE,), (score_tile,))
+            sK = tHsH[None, i]
+            sS = tHsH[None, self.HALF_STEPS + i]
+            if const_expr(policy is None):
+                cute.copy(g2s, gK, sK)
+                cute.copy(g2s, gS, sS)
+            else:
+                du.cp_async_16(Int32(sK.iterator.toint()), gK.iterator.toint(), policy)
+                du.cp_async_16(Int32(sS.iterator.toint()), gS.iterator.toint(), policy)
 
     @cute.jit
     def skip_empty_chunks(self, tokens: ClusterTokens, cursor: IssueCursor) -> IssueCursor:

@@ -53,7 +53,12 @@ def _compress_c128() -> int:
             written = case.backing.view(torch.uint8) != 0xA5
             assert bool(written.any()), (fmt, norm)  # the tolerance checks are the GPU tests'
             calls += 1
-    return calls
+    # ten windows a cluster: past the evict-first ones (CompressC128.EVICT_FIRST_WINDOWS)
+    case = compress_c128_case("v4_packed", 300, 2, "cuda", boundary_every=None)
+    cute_kernels.compress_c128(*case.args())
+    torch.cuda.synchronize()
+    assert bool((case.backing.view(torch.uint8) != 0xA5).any())
+    return calls + 1
 
 
 def _stacked_kv_proj() -> int:
