@@ -267,16 +267,17 @@ def _env_reader(names: tuple[str, ...]) -> Callable[[], tuple]:
     keys = tuple(encode(name) for name in names)
     get = data.get
     present = data.keys()  # a live view: one C call tells whether any of the names is set
-    first, others = keys[0], keys[1:]
-    others_unset = (None,) * len(others)
+    unset = (None,) * len(names)
+    first, others, others_unset = keys[0], keys[1:], unset[1:]
 
     def read() -> tuple:
         if os.environ is not environ:  # replaced wholesale: ask the new one
             return slow()
-        # The usual cases: none of the names set, or only the first (the arch, which a model
-        # loader sets to check a layout without a GPU): one disjointness test and one dict
-        # lookup (the stacked op's 7 names with the arch set: ~0.2 against ~0.3 us for the
-        # test of all 7 and then reading them all, on the development CPU).
+        if present.isdisjoint(keys):  # a serving process (0.13 against 0.23 us for 7 names)
+            return unset
+        # only the first (the arch, which a model loader sets to check a layout without a
+        # GPU): one more disjointness test and a lookup (the stacked op's 7 names: ~0.2
+        # against ~0.3 us for reading them all, on the development CPU)
         if present.isdisjoint(others):
             return (get(first),) + others_unset
         return tuple(map(get, keys))
