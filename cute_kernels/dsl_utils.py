@@ -407,6 +407,16 @@ def store_peer_f32(smem_addr: Int32, peer_rank: Int32, value: Float32) -> None:
     )
 
 
+def mbarrier_try_wait_cluster(bar_addr: Int32, phase: Int32) -> Int32:
+    """1 once the mbarrier at ``bar_addr`` (this CTA's shared memory) has completed phase
+    ``phase``, else 0 after a bounded wait; acquire at cluster scope, so the peer CTA's
+    writes released by its arrivals are visible."""
+    return cute.arch.inline_ptx(
+        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, "
+        "[{$r0}], {$r1}; selp.b32 {$w0}, 1, 0, p; }",
+        write_only_types=[Int32], read_only_args=[bar_addr, phase])
+
+
 def load_peer_v4(smem_addr: Int32, peer_rank: Int32) -> tuple:
     """Four fp32 from the same 16-byte aligned shared-memory offset of CTA ``peer_rank`` of
     this cluster, one distributed-shared-memory load. Needs a cluster barrier between the

@@ -379,13 +379,14 @@ class StackedKvProjMma(StackedKvProjBase):
         # the weight's L2 policy (A and B are both K-major: [rows, H])
         evict_first = self.weight_evict_first(mA.shape[1])
         stream = du.evict_first_policy()
+        operand_a = (copy_a, tAgA, tAsA, tApA, mA, tile_a, self.mma_m, sA)
+        operand_b = (copy_b, tBgB, tBsB, tBpB, mB, tile_b, self.mma_n, sB)
 
         # Prologue: stages - 1 tiles in flight (fewer when the range is short; every group
         # committed).
         for s in cutlass.range_constexpr(self.stages - 1):
             if s < k_count:
-                self.load_operands(copy_a, tAgA, tAsA, tApA, copy_b, tBgB, tBsB, tBpB, mA,
-                                   tile_a, sA, mB, tile_b, sB, k_lo + s, s, tidx, evict_first,
+                self.load_operands(operand_a, operand_b, k_lo + s, s, tidx, evict_first,
                                    stream)
             cute.arch.cp_async_commit_group()
 
@@ -438,8 +439,7 @@ class StackedKvProjMma(StackedKvProjBase):
                 cute.copy(s2r_b, tXsB_p[None, None, kb_next], tXrB[None, None, kb_next])
                 if const_expr(kb == 0):
                     if next_tile < k_count:
-                        self.load_operands(copy_a, tAgA, tAsA, tApA, copy_b, tBgB, tBsB, tBpB,
-                                           mA, tile_a, sA, mB, tile_b, sB, k_lo + next_tile,
+                        self.load_operands(operand_a, operand_b, k_lo + next_tile,
                                            write_stage, tidx, evict_first, stream)
                     next_tile = next_tile + 1
                     cute.arch.cp_async_commit_group()
@@ -453,32 +453,30 @@ class StackedKvProjMma(StackedKvProjBase):
         cute.arch.sync_threads()  # the ring is reused for the C staging tile
         return tCrC
 
+    def load_operands(self, a: tuple, b: tuple, k_tile: Int32, stage: Int32, tidx: Int32,
+                      evict_first: cutlass.Boolean, stream: Int64) -> None:
+        """Start the copies of k-tile ``k_tile`` of both operands (``a``, ``b``: see
+        :meth:`load_operand`) into ring stage ``stage``; the weight is A when swapped."""
+        self.load_operand(a, self.swap, k_tile, stage, tidx, evict_first, stream)
+        self.load_operand(b, not self.swap, k_tile, stage, tidx, evict_first, stream)
+
     @cute.jit
-    def load_operands(self, copy_a: cute.TiledCopy, tAgA: cute.Tensor, tAsA: cute.Tensor,
-                      tApA: cute.Tensor, copy_b: cute.TiledCopy, tBgB: cute.Tensor,
-                      tBsB: cute.Tensor, tBpB: cute.Tensor, mA: cute.Tensor, tile_a: Int32,
-                      sA: cute.Tensor, mB: cute.Tensor, tile_b: Int32, sB: cute.Tensor,
-                      k_tile: Int32, stage: Int32, tidx: Int32, evict_first: cutlass.Boolean,
-                      stream: Int64) -> None:
-        """Start the copies of k-tile ``k_tile`` of both operands into ring stage ``stage``,
-        each by its tiled copy (the tokens predicated on ``T``) — except the weight's when
-        ``evict_first``: then :meth:`load_weight_stage`, with the L2 policy ``stream``."""
-        if const_expr(self.swap):  # the weight is A
+    def load_operand(self, operand: tuple, is_weight: bool, k_tile: Int32, stage: Int32,
+                     tidx: Int32, evict_first: cutlass.Boolean, stream: Int64) -> None:
+        """One operand's copies, ``operand = (tiled copy, its source and destination
+        partitions, row predicate, global tensor, tile index, rows, SMEM ring)``: by the
+        tiled copy (the tokens predicated on ``T``), except the weight's when ``evict_first``:
+        then :meth:`load_weight_stage`, with the L2 policy ``stream``."""
+        copy, tXgX, tXsX, tXpX, mX, tile, rows, sX = operand
+        if const_expr(is_weight):
             if evict_first:
-                self.load_weight_stage(mA, tile_a, self.mma_m, sA, k_tile, stage, tidx, stream)
+                self.load_weight_stage(mX, tile, rows, sX, k_tile, stage, tidx, stream)
             else:
-                cute.copy(copy_a, tAgA[None, None, None, k_tile],
-                          tAsA[None, None, None, stage], pred=tApA)
-            cute.copy(copy_b, tBgB[None, None, None, k_tile], tBsB[None, None, None, stage],
-                      pred=tBpB)
+                cute.copy(copy, tXgX[None, None, None, k_tile],
+                          tXsX[None, None, None, stage], pred=tXpX)
         else:
-            cute.copy(copy_a, tAgA[None, None, None, k_tile], tAsA[None, None, None, stage],
-                      pred=tApA)
-            if evict_first:
-                self.load_weight_stage(mB, tile_b, self.mma_n, sB, k_tile, stage, tidx, stream)
-            else:
-                cute.copy(copy_b, tBgB[None, None, None, k_tile],
-                          tBsB[None, None, None, stage], pred=tBpB)
+            cute.copy(copy, tXgX[None, None, None, k_tile], tXsX[None, None, None, stage],
+                      pred=tXpX)
 
     @cute.jit
     def load_weight_stage(self, mW: cute.Tensor, tile: Int32, rows: int, sW: cute.Tensor,

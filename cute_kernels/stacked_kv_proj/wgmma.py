@@ -625,7 +625,7 @@ class StackedKvProjWgmma(StackedKvProjBase):
             cute.arch.mbarrier_arrive(bars + buf, peer_cta_rank_in_cluster=peer,
                                       scope=nvvm.MemScopeKind.CLUSTER)
         bar_addr = Int32((bars + buf).toint())
-        while mbarrier_try_wait_cluster(bar_addr, phase) == 0:
+        while du.mbarrier_try_wait_cluster(bar_addr, phase) == 0:
             pass
         return [sums[r] + du.load_shared_b32(addrs[r], Float32) for r in range(2)]
 
@@ -650,13 +650,3 @@ class StackedKvProjWgmma(StackedKvProjBase):
                                   cute.local_tile(rCos, (2,), (r * pairs + g,)))
                 cute.autovec_copy(cute.local_tile(gCS, (2,), ((half + d) // 2,)),
                                   cute.local_tile(rSin, (2,), (r * pairs + g,)))
-
-
-def mbarrier_try_wait_cluster(bar_addr: Int32, phase: Int32) -> Int32:
-    """1 once the mbarrier at ``bar_addr`` (this CTA's shared memory) has completed phase
-    ``phase``, else 0 after a bounded wait; acquire at cluster scope, so the peer CTA's
-    writes released by its arrivals are visible."""
-    return cute.arch.inline_ptx(
-        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, "
-        "[{$r0}], {$r1}; selp.b32 {$w0}, 1, 0, p; }",
-        write_only_types=[Int32], read_only_args=[bar_addr, phase])
