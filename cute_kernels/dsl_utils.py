@@ -351,6 +351,16 @@ def load_global_v4(gmem_addr: Int64) -> tuple:
     )
 
 
+def load_global_f32x2(gmem_addr: Int64) -> tuple:
+    """Two fp32 from an 8-byte aligned global address, one load from L2 (``.cg``: data
+    another SM wrote, past an acquire, is never served from this SM's L1)."""
+    return cute.arch.inline_ptx(
+        "ld.global.cg.v2.f32 {{$w0}, {$w1}}, [{$r0}];",
+        write_only_types=[Float32] * 2,
+        read_only_args=[gmem_addr],
+    )
+
+
 def load_shared_v4(smem_addr: Int32, dtype: type = Uint32) -> tuple:
     """Four 32-bit values (``Uint32`` or ``Float32``) from a 16-byte aligned shared address,
     one load."""

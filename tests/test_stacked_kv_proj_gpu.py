@@ -171,6 +171,8 @@ STREAM_K_CASES = [  # (tokens, H, L, n_kv, D, tile, CTA cap)
     (257, 2560, 5, 8, 128, "auto", None),
     (1000, 2560, 2, 2, 128, "m128", 13),  # 64 tiles on 13 CTAs: 39 data-parallel, 25 split
     (300, 2560, 2, 4, 64, "m128w", 11),  # four D = 64 heads in a wide tile, split
+    (1024, 4096, 5, 1, 128, "m128", None),  # a TP-8 prefill: 80 tiles over every SM
+    (1100, 4096, 2, 8, 128, "m128w", None),  # 81 wide tiles: the last one partial in rows
 ]
 
 

@@ -5,7 +5,8 @@ iterations (one k-tile of one tile each) are cut into ``grid`` equal contiguous 
 CTA ``c`` runs iterations ``[start(c), start(c + 1))`` with ``start(c) = c * iters // grid``.
 A tile's *contributors* are the CTAs whose ranges meet it, in k order; a tile met by one CTA
 only is finished by it like a data-parallel tile. A CTA keeps two workspace slots, for the
-first and the last tile it meets (any tile between them it covers whole).
+first and the last tile it meets (any tile between them it covers whole); the last
+contributor of a tile to arrive reads them all.
 
 Every value is a runtime ``Int32`` (the host picks the grid and the split per call), computed
 with selects only, so the object can be built and queried anywhere in the kernel.
@@ -18,7 +19,7 @@ from cutlass import Int32
 
 
 class StreamK:
-    """Stream-K ranges, segments and reductions of CTA ``cta`` among ``grid``.
+    """Stream-K ranges and segments of CTA ``cta`` among ``grid``.
 
     Everything a CTA asks more than once is computed once here, in 32-bit arithmetic (the
     host keeps ``iters * grid`` below 2^31: stream-K covers at most two waves of tiles): a
@@ -26,8 +27,7 @@ class StreamK:
     are carried through dynamic control flow as the DSL's ``DynamicExpression`` protocol
     asks."""
 
-    FIELDS = ("iters", "k_tiles", "cta", "grid", "begin", "end", "first_seg", "last_seg",
-              "num_segments", "first_partial", "num_reductions")
+    FIELDS = ("iters", "k_tiles", "cta", "grid", "begin", "end", "first_seg", "num_segments")
 
     def __init__(self, iters: Int32, k_tiles: Int32, cta: Int32, grid: Int32,
                  *derived: Int32) -> None:
@@ -42,19 +42,10 @@ class StreamK:
         self.begin = self.start(cta)
         self.end = self.start(cta + 1)
         has_work = self.end > self.begin
+        #: Tiles this CTA's range meets (whole or in part), in order from this one.
         self.first_seg = self.begin // k_tiles
-        self.last_seg = cutlass.select_(has_work, (self.end - 1) // k_tiles, self.first_seg)
-        #: Tiles this CTA's range meets (whole or in part), in order.
-        self.num_segments = cutlass.select_(has_work, self.last_seg - self.first_seg + 1,
-                                            Int32(0))
-        first_lo, first_hi = self.k_range(self.first_seg)
-        first_partial = has_work & (first_hi - first_lo != k_tiles)
-        last_partial = (has_work & (self.last_seg != self.first_seg)
-                        & (self.end - self.last_seg * k_tiles != k_tiles))
-        self.first_partial = cutlass.select_(first_partial, Int32(1), Int32(0))
-        #: Partial tiles this CTA helps reduce at the end: its first and/or last one.
-        self.num_reductions = self.first_partial + cutlass.select_(last_partial, Int32(1),
-                                                                   Int32(0))
+        last_seg = (self.end - 1) // k_tiles
+        self.num_segments = cutlass.select_(has_work, last_seg - self.first_seg + 1, Int32(0))
 
     def __extract_mlir_values__(self) -> list:
         return [Int32(getattr(self, name)).ir_value() for name in self.FIELDS]
@@ -65,15 +56,6 @@ class StreamK:
     def start(self, cta: Int32) -> Int32:
         """First iteration of CTA ``cta``'s range."""
         return cta * self.iters // self.grid
-
-    def segment_of(self, index: Int32) -> Int32:
-        """Stream-K tile of this CTA's ``index``-th unit: its segments in order, then the
-        partial tiles it reduces (first, last)."""
-        reduces_first = (index == self.num_segments) & (self.first_partial == 1)
-        return cutlass.select_(
-            index < self.num_segments, self.first_seg + index,
-            cutlass.select_(reduces_first, self.first_seg, self.last_seg),
-        )
 
     def k_range(self, seg: Int32) -> tuple[Int32, Int32]:
         """The k-tiles ``[lo, hi)`` of tile ``seg`` that this CTA's range covers."""
@@ -100,10 +82,3 @@ class StreamK:
     def own_slot(self, seg: Int32) -> Int32:
         """This CTA's slot for tile ``seg``."""
         return 2 * self.cta + cutlass.select_(seg == self.first_seg, Int32(0), Int32(1))
-
-    def row_slice(self, first: Int32, count: Int32, rows: Int32) -> tuple[Int32, Int32]:
-        """Rows ``[lo, hi)`` (of ``rows`` valid ones) of a tile whose contributors are
-        ``first`` .. ``first + count - 1`` that this CTA reduces and finishes: contributor
-        ``j`` of ``n`` takes the ``j``-th ``1/n``."""
-        j = self.cta - first
-        return j * rows // count, (j + 1) * rows // count

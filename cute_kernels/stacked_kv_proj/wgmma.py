@@ -14,7 +14,7 @@ from cutlass._mlir.dialects import nvvm
 
 from .. import dsl_utils as du
 from .base import StackedKvProjBase, neox_rotate, r2
-from .plan import MAX_CONTRIBUTORS, TileConfig
+from .plan import TileConfig
 from .streamk import StreamK
 
 WGMMA_SMEM_BUDGET = 224 * 1024  # the TMA ring adds only its mbarriers
@@ -23,14 +23,12 @@ WGMMA_SMEM_BUDGET = 224 * 1024  # the TMA ring adds only its mbarriers
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 CONSUMER_BARRIER = 1  # named barrier of the consumer warpgroups (0 is the CTA's)
-GATHER_PAD = 4  # floats of padding per gathered partial row
-ARRIVED_MASK = 0xFFFF  # low half of a tile counter: partials stored; high half: reductions done
-DONE_ONE = 1 << 16
 
 # What a consumer does with one unit of its work.
 FULL = 0  # all k-tiles of a tile: MMA, epilogue
-PARTIAL = 1  # a k-range of a stream-K tile: MMA, store the fp32 partial, arrive
-REDUCE = 2  # a row slice of a stream-K tile: wait for its partials, sum them in order, epilogue
+# a k-range of a stream-K tile: MMA, store the fp32 partial, arrive; the last to arrive sums
+# the tile's partials and runs its epilogue
+PARTIAL = 1
 
 
 class StackedKvProjWgmma(StackedKvProjBase):
@@ -51,13 +49,12 @@ class StackedKvProjWgmma(StackedKvProjBase):
     tail of one tile, whole tiles, and the head of another; a whole tile goes straight to the
     epilogue, a part of a tile is a *partial*: its fp32 accumulators go to a workspace slot
     (two per CTA: its first and its last tile) and the tile's counter is incremented with
-    release semantics. At the end, each of a tile's ``n`` contributors reduces one ``1/n``
-    slice of the tile's rows: it waits (acquire) until all ``n`` partials are stored, sums them
-    in contributor order (k order: a fixed order, so the result is bitwise the same run to
-    run) and runs the epilogue on its slice, so the per-head norm sees full sums. The last of
-    the ``n`` to finish resets the counter for the next launch (CUDA-graph replays included).
-    Waiting is safe because the launch is cooperative (all CTAs resident at once, never more
-    than the GPU holds) and a CTA only waits after all of its own stores.
+    release semantics. The contributor whose increment completes the count (acquire) sums
+    the tile's ``n`` partials in contributor order (k order: a fixed order whoever sums, so
+    the result is bitwise the same run to run) into its accumulators, runs the epilogue on
+    the whole tile, so the per-head norm sees full sums, and resets the counter for the next
+    launch (CUDA-graph replays included). No CTA ever waits for another: the others go on
+    with their next unit.
 
     The epilogue works on the accumulator registers, with no SMEM round trip. In the wgmma
     fragment, thread ``(warp w, lane l)`` of a consumer warpgroup holds rows ``16w + l/4`` and
@@ -77,10 +74,6 @@ class StackedKvProjWgmma(StackedKvProjBase):
         self.stages = self.ring_stages(16, WGMMA_SMEM_BUDGET)
         self.consumer_threads = 128 * self.consumer_warpgroups
         assert self.bm in (64, 128) and self.bn in (32, 64, 128, 256)
-        # A reduction gathers at most rows + contributors - 1 <= bm + MAX - 1 partial rows.
-        self.gather_floats = (self.bm + MAX_CONTRIBUTORS - 1) * (self.bn + GATHER_PAD)
-        assert self.gather_floats * 4 <= self.stages * (self.bm + self.bn) * self.bk * 2, (
-            "the stream-K gather reuses the ring")
 
     @cute.jit
     def __call__(
@@ -141,6 +134,8 @@ class StackedKvProjWgmma(StackedKvProjBase):
             # the mbarrier its 32 quad leaders arrive on
             exchange_bar: cute.struct.MemRange[Int64, 2]
             exchange: cute.struct.MemRange[Float32, 2 * self.bm]
+            # stream-K: the tile counter's value before this CTA's arrival, for its consumers
+            arrived: cute.struct.MemRange[Int32, 1]
             sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sA_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sB_layout)], 1024]
 
@@ -152,16 +147,8 @@ class StackedKvProjWgmma(StackedKvProjBase):
         if const_expr(self.split_head):  # data-parallel: it waits only inside its clusters
             kernel.launch(grid=[grid_ctas, 1, 1], block=[self.threads, 1, 1],
                           cluster=[2, 1, 1], stream=stream)
-        else:
-            kernel.launch(
-                grid=[grid_ctas, 1, 1],
-                block=[self.threads, 1, 1],
-                stream=stream,
-                # all CTAs resident together or none: a stream-K CTA waits for the partials
-                # of others, which must not be queued behind it (nor behind another such
-                # kernel)
-                cooperative=True,
-            )
+        else:  # no CTA waits for another (stream-K: the last to arrive finishes a tile)
+            kernel.launch(grid=[grid_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(
@@ -227,11 +214,6 @@ class StackedKvProjWgmma(StackedKvProjBase):
 
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
-        # The stream-K reductions come after a CTA's last load, when the ring is idle: its
-        # bytes (A then B, contiguous) hold the gathered partial rows, each padded by 16 bytes
-        # so the fragment reads (8 rows of a warp) spread over the banks.
-        sGather = cute.make_tensor(cute.recast_ptr(storage.sA.data_ptr(), dtype=Float32),
-                                   cute.make_layout(self.gather_floats))
         gA = cute.local_tile(mA, (self.bm, self.bk), (None, None))  # (bm, bk, m tiles, k tiles)
         gB = cute.local_tile(mB, (self.bn, self.bk), (None, None))
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
@@ -288,7 +270,8 @@ class StackedKvProjWgmma(StackedKvProjBase):
             exchange = (Int32(storage.exchange.data_ptr().toint()),
                         storage.exchange_bar.data_ptr())
             exchanges = Int32(0)  # split-head: sums of squares exchanged so far (K tiles)
-            for unit in cutlass.range(num_dp + sk.num_segments + sk.num_reductions, unroll=1):
+            sArrived = storage.arrived.get_tensor(cute.make_layout(1))
+            for unit in cutlass.range(num_dp + sk.num_segments, unroll=1):
                 # -- what this unit is: (tile, k-range, mode) ------------------------------
                 tile = bid + unit * grid
                 k_lo = Int32(0)
@@ -296,60 +279,45 @@ class StackedKvProjWgmma(StackedKvProjBase):
                 mode = Int32(FULL)
                 seg = Int32(0)
                 if unit >= num_dp:
-                    seg = sk.segment_of(unit - num_dp)
+                    seg = sk.first_seg + unit - num_dp
                     tile = dp_tiles + seg
-                    if unit < num_dp + sk.num_segments:
-                        k_lo, k_hi = sk.k_range(seg)
-                        if k_hi - k_lo != k_tiles:
-                            mode = Int32(PARTIAL)
-                    else:
-                        mode = Int32(REDUCE)
+                    k_lo, k_hi = sk.k_range(seg)
+                    if k_hi - k_lo != k_tiles:
+                        mode = Int32(PARTIAL)
                 tile_m, tile_n = self.tile_coords(tile, num_m_tiles)
                 rows_valid = cutlass.min(mLoc.shape[0] - tile_m * self.bm, self.bm)
-                # Row slice this CTA finishes: all rows, or for a reduction its share.
-                row_lo = Int32(0)
-                row_hi = Int32(self.bm)
-                first = Int32(0)
-                count = Int32(1)
-                if mode == REDUCE:
-                    first, count = sk.contributors(seg)
-                    row_lo, row_hi = sk.row_slice(first, count, rows_valid)
                 # The epilogue's row metadata (slot, then position: two dependent global
-                # loads) is fetched now and lands while the main loop (or the wait) runs.
+                # loads) is fetched now and lands while the main loop runs.
                 rows = []
                 for r in cutlass.range_constexpr(2):
                     row = tCcC[2 * r][0]
-                    t, slot, valid = self.row_destination(mLoc, mCommit, width,
-                                                          tile_m * self.bm + row)
-                    rows.append((t, slot, valid & (row >= row_lo) & (row < row_hi)))
+                    rows.append(self.row_destination(mLoc, mCommit, width,
+                                                     tile_m * self.bm + row))
                 positions = [cutlass.select_(valid, mPos[t], Int64(0)) for t, _, valid in rows]
-                if mode == REDUCE:
-                    self.reduce_partials(sk, seg, first, count, mWork, mCount, sGather, acc,
-                                         tCcC, row_lo, row_hi, ctid)
-                else:  # acc = the sum over this unit's k-tiles
-                    acc.fill(0.0)
+                # acc = the sum over this unit's k-tiles
+                acc.fill(0.0)
+                self.mma_stage(ring, read, tiled_mma, acc, tCrA, tCrB, k_blocks)
+                read.advance()
+                for _k_tile in cutlass.range(1, k_hi - k_lo, unroll=1):
                     self.mma_stage(ring, read, tiled_mma, acc, tCrA, tCrB, k_blocks)
-                    read.advance()
-                    for _k_tile in cutlass.range(1, k_hi - k_lo, unroll=1):
-                        self.mma_stage(ring, read, tiled_mma, acc, tCrA, tCrB, k_blocks)
-                        # Keep one wgmma group in flight; the one before it has retired, so
-                        # its stage goes back to the producer.
-                        cute.nvgpu.warpgroup.wait_group(1)
-                        ring.consumer_release(release)
-                        read.advance()
-                        release.advance()
-                    cute.nvgpu.warpgroup.wait_group(0)
+                    # Keep one wgmma group in flight; the one before it has retired, so
+                    # its stage goes back to the producer.
+                    cute.nvgpu.warpgroup.wait_group(1)
                     ring.consumer_release(release)
+                    read.advance()
                     release.advance()
-                if mode == PARTIAL:
-                    self.store_partial(sk, seg, mWork, mCount, acc, tCcC, rows_valid, ctid)
-                else:
-                    exchanges = self.epilogue(
-                        acc, tCcC, mBias, mNormW, eps, mCosSin, k_caches, v_caches, tile_n,
-                        [(slot, valid) for _, slot, valid in rows], positions, exchange,
-                        exchanges)
-                if mode == REDUCE:
-                    self.finish_reduction(seg, count, mCount, ctid)
+                cute.nvgpu.warpgroup.wait_group(0)
+                ring.consumer_release(release)
+                release.advance()
+                finish = Int32(1)
+                if mode == PARTIAL:  # finished here only by the last contributor to arrive
+                    finish = self.hand_over(sk, seg, mWork, mCount, sArrived, acc, tCcC,
+                                            rows_valid, ctid)
+                if finish != 0:
+                    exchanges = self.epilogue(acc, tCcC, mBias, mNormW, eps, mCosSin,
+                                              k_caches, v_caches, tile_n,
+                                              [(slot, valid) for _, slot, valid in rows],
+                                              positions, exchange, exchanges)
         if const_expr(self.split_head):
             # Every remote write into a CTA precedes the arrivals it waits for, so no CTA can
             # exit while its peer still writes into it; a cluster barrier at the end says so
@@ -383,85 +351,53 @@ class StackedKvProjWgmma(StackedKvProjBase):
         return mWork.iterator.toint() + index * 4
 
     @cute.jit
-    def store_partial(self, sk, seg: Int32, mWork: cute.Tensor, mCount: cute.Tensor,
-                      acc: cute.Tensor, tCcC: cute.Tensor, rows_valid: Int32,
-                      ctid: Int32) -> None:
-        """Store this CTA's partial of stream-K tile ``seg`` (rows < ``rows_valid`` only),
-        then count it as arrived with release semantics."""
+    def hand_over(self, sk, seg: Int32, mWork: cute.Tensor, mCount: cute.Tensor,
+                  sArrived: cute.Tensor, acc: cute.Tensor, tCcC: cute.Tensor,
+                  rows_valid: Int32, ctid: Int32) -> Int32:
+        """Store this CTA's partial of stream-K tile ``seg`` (rows < ``rows_valid`` only) and
+        count it as arrived with release semantics. The contributor whose arrival completes
+        the count leaves in ``acc`` the sum of all the tile's partials in contributor order
+        (``((p0 + p1) + p2) + ...``, its own re-read like the others: the same bits whoever
+        is last), resets the counter and returns 1; the others return 0.
+
+        Each thread stores and loads the elements of its own fragment (a quad's 32 contiguous
+        bytes of a row), all loads of a partial in flight at once; the partials were written
+        by other SMs, so they are read from L2 (``ld.global.cg``)."""
         slot = sk.own_slot(seg)
         for q in cutlass.range_constexpr(self.bn // 4):
             row, col = tCcC[2 * q]
-            if row < rows_valid:  # a quad writes 32 contiguous bytes of a row
+            if row < rows_valid:
                 du.store_f32x2(self.partial_addr(mWork, slot, row, col), acc[2 * q],
                                acc[2 * q + 1])
+        first, count = sk.contributors(seg)
         # Every consumer's stores precede the one release (CTA barrier, then a gpu-scope
-        # release by one thread: cumulativity carries the others' stores).
-        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.consumer_threads)
-        if ctid == 0:
-            du.atomic_add_release(mCount.iterator.toint() + Int64(seg) * 4, Int32(1))
-
-    @cute.jit
-    def reduce_partials(self, sk, seg: Int32, first: Int32, count: Int32, mWork: cute.Tensor,
-                        mCount: cute.Tensor, sGather: cute.Tensor, acc: cute.Tensor,
-                        tCcC: cute.Tensor, row_lo: Int32, row_hi: Int32, ctid: Int32) -> None:
-        """``acc`` = the sum of stream-K tile ``seg``'s partials in contributor order
-        (``((p0 + p1) + p2) + ...``), for the rows of this CTA's slice (others are left zero:
-        they are never stored). ``first``, ``count``: the tile's contributors.
-
-        All consumer threads first copy the slice of every contributor's partial into SMEM
-        (``sGather``) with 16-byte ``cp.async.cg`` copies, all in flight at once (one L2
-        round trip however many contributors: a loop of dependent loads per contributor
-        measured as microseconds); then each thread sums its fragment's elements from SMEM."""
-        counter = mCount.iterator.toint() + Int64(seg) * 4
-        rows = row_hi - row_lo
-        if (ctid == 0) & (rows > 0):  # an empty slice (few rows) waits for nothing
-            while (du.load_acquire(counter) & ARRIVED_MASK) < count:
-                pass
-        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.consumer_threads)
-        # Contributors after the first start their ranges inside this tile, so it is their
-        # first tile (slot 2c); only the first's slot needs the division.
-        first_slot = sk.slot(first, seg)
-        pitch = self.bn + GATHER_PAD  # floats per gathered row
-        vectors = self.bn // 4  # 16-byte chunks per row
-        g2s = du.cp_async_atom(Float32)
-        for chunk in cutlass.range(ctid, count * rows * vectors, self.consumer_threads,
-                                   unroll=1):
-            line = chunk // vectors  # (contributor, row of the slice)
-            c = line // rows
-            row = line - c * rows
-            col = (chunk - line * vectors) * 4
-            slot = cutlass.select_(c == 0, first_slot, 2 * (first + c))
-            src = cute.make_tensor(
-                cute.make_ptr(Float32, self.partial_addr(mWork, slot, row_lo + row, col),
-                              cute.AddressSpace.gmem, assumed_align=16),
-                cute.make_layout(4),
-            )
-            cute.copy(g2s, src, cute.local_tile(sGather, (4,), ((line * pitch + col) // 4,)))
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.consumer_threads)
-        acc.fill(0.0)
-        for c in cutlass.range(count, unroll=1):
-            for q in cutlass.range_constexpr(self.bn // 4):
-                row, col = tCcC[2 * q]
-                if (row >= row_lo) & (row < row_hi):
-                    at = (c * rows + row - row_lo) * pitch + col
-                    for e in cutlass.range_constexpr(2):
-                        value = sGather[at + e]
-                        acc[2 * q + e] = cutlass.select_(c == 0, value,
-                                                         du.add_rn(acc[2 * q + e], value))
-
-    @cute.jit
-    def finish_reduction(self, seg: Int32, count: Int32, mCount: cute.Tensor,
-                         ctid: Int32) -> None:
-        """Count this reduction as done; the last of the tile's ``count`` contributors resets
-        its counter to zero."""
+        # release by one thread: cumulativity carries the others' stores); its acquire makes
+        # the other partials visible to every consumer after the second barrier.
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.consumer_threads)
         if ctid == 0:
             counter = mCount.iterator.toint() + Int64(seg) * 4
-            done_before = du.atomic_add_release(counter, Int32(DONE_ONE)) >> 16
-            if done_before == count - 1:
+            arrived = du.atomic_add_release(counter, Int32(1))
+            du.fence_acq_rel()
+            if arrived == count - 1:  # every contributor has arrived: zero for the next launch
                 du.store_relaxed(counter, Int32(0))
+            sArrived[0] = arrived
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.consumer_threads)
+        last = Int32(0)
+        if sArrived[0] == count - 1:
+            last = Int32(1)
+            # Contributors after the first start their ranges inside this tile, so it is
+            # their first tile (slot 2c); only the first's slot needs the division.
+            first_slot = sk.slot(first, seg)
+            for c in cutlass.range(count, unroll=1):
+                src = cutlass.select_(c == 0, first_slot, 2 * (first + c))
+                for q in cutlass.range_constexpr(self.bn // 4):
+                    row, col = tCcC[2 * q]
+                    if row < rows_valid:  # rows beyond were never stored (nor are written)
+                        lo, hi = du.load_global_f32x2(self.partial_addr(mWork, src, row, col))
+                        acc[2 * q] = cutlass.select_(c == 0, lo, du.add_rn(acc[2 * q], lo))
+                        acc[2 * q + 1] = cutlass.select_(c == 0, hi,
+                                                         du.add_rn(acc[2 * q + 1], hi))
+        return last
 
     @cute.jit
     def mma_stage(self, ring, state, tiled_mma, acc, tCrA, tCrB, k_blocks: int) -> None:
