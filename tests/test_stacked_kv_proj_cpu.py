@@ -483,7 +483,8 @@ def test_override_rejection(device, name, monkeypatch):
 
 @pytest.mark.parametrize(("tokens", "impl", "sms", "tile"), [
     (1, "wgmma", 132, "m64"), (64, "wgmma", 132, "m64"), (65, "wgmma", 132, "m128"),
-    (256, "wgmma", 132, "m128w"), (512, "wgmma", 132, "m128"), (1024, "wgmma", 132, "m128"),
+    # three waves of m64 (320 tiles) against one of m128w: 47.2 against 53.2 us (H200)
+    (256, "wgmma", 132, "m64"), (512, "wgmma", 132, "m128"), (1024, "wgmma", 132, "m128"),
     (2048, "wgmma", 132, "m128w"), (8192, "wgmma", 132, "m128w"),
     (1024, "wgmma", 114, "m128w"),  # H100 PCIe: 640 m128 tiles are 6 waves, 320 m128w 3
     (64, "mma", 132, "m64"), (8192, "mma", 132, "m128"),  # the mma core has no wide tile

@@ -42,7 +42,12 @@ class TileConfig:
     bm: int  # tokens per CTA tile
     wide: bool  # 256-column tiles where kv allows (two D = 128 heads: m64n256 wgmma)
     mma_stages: int  # cp.async ring depth cap of the mma core (the wgmma ring fills its budget)
-    cost: float  # time of one tile relative to m128, measured (see choose_tile)
+    # Measured time of a wave of these tiles (one per SM) relative to a wave of m128: the
+    # first wave, each further wave, and the most waves the tile is planned for (see
+    # choose_tile)
+    cost: float
+    wave_cost: float = 0.0
+    max_waves: int | None = None
     # Decode tile (mma core): the weight rows are the MMA's M and the bm tokens its N, so a
     # stage of the ring is nearly all weight (see swap_ring).
     swap: bool = False
@@ -62,12 +67,15 @@ class TileConfig:
 # Small T is weight-bandwidth bound: m64 keeps the most bytes in flight per weight tile (80
 # CTAs for N = 10240). Larger T is math bound: 128-row tiles, and on the wgmma core 128 x 256
 # (two consumer warpgroups of m64n256, the shape with the least SMEM and L2 operand traffic
-# per MMA). Costs: H200, 2026-11-29, cold, H 4096, L 5, n_kv 8, D 128 (specs/stacked_kv_proj.md):
-# m64 streams a weight tile in 0.85 of m128's time at T = 64; m128w does twice m128's work in
-# 1.75 of its time at T >= 1024.
-TILE_SMALL = TileConfig("m64", bm=64, wide=False, mma_stages=8, cost=0.85)
-TILE_MEDIUM = TileConfig("m128", bm=128, wide=False, mma_stages=4, cost=1.0)
-TILE_WIDE = TileConfig("m128w", bm=128, wide=True, mma_stages=0, cost=1.75)
+# per MMA). Costs: the wgmma core's data-parallel waves, H200, 2026-12-02 01:22 UTC, cold,
+# H 4096, D 128, the drafter at TP 1..8 and one layer, T = 256..2048, every tile forced
+# (specs/stacked_kv_proj.md, "Tile choice"): a wave of m128 took 28.8-29.8 us first and
+# 25-30 each after (more the more waves), m64 18.0-18.7 and ~15 up to the third wave (20-24
+# beyond, where m128 measured faster in every cell), m128w 50-53 and ~52.
+TILE_SMALL = TileConfig("m64", bm=64, wide=False, mma_stages=8, cost=0.62, wave_cost=0.5,
+                        max_waves=3)
+TILE_MEDIUM = TileConfig("m128", bm=128, wide=False, mma_stages=4, cost=1.0, wave_cost=0.96)
+TILE_WIDE = TileConfig("m128w", bm=128, wide=True, mma_stages=0, cost=1.75, wave_cost=1.73)
 # Decode sizes are a stream of the weight: a swapped tile of 16 tokens, split along K
 # (choose_splits), each token tile reading the weight through L2. A 64-token swapped tile
 # measured slower than the wgmma core at T = 32 and 64 in every layout but one
@@ -76,10 +84,10 @@ TILE_SWAP = TileConfig("swap16", bm=16, wide=False, mma_stages=8, cost=0.0, swap
 # Split-head tile: data-parallel in 2-CTA clusters, twice the CTAs of m64 at half its
 # columns each. Same-run cold us against m64 (H200, 2026-12-01 22:38 UTC) where both fit one
 # wave: TP 8 T 128 13.6 / 17.8, TP 8 T 256 17.0 / 18.0, TP 4 T 128 17.0 / 19.3, TP 2 T 64
-# 21.2 / 23.3, one layer T 128 / 256 15.5 / 21.4, 18.2 / 21.9 (0.72-0.94x); a second wave
-# loses (TP 4 T 256 29.2 against 20.1).
-TILE_SPLIT_HEAD = TileConfig("m64h", bm=64, wide=False, mma_stages=0, cost=0.72,
-                             split_head=True)
+# 21.2 / 23.3, one layer T 128 / 256 15.5 / 21.4, 18.2 / 21.9 (0.72-0.94x; 15.3 against m64's
+# 17.9 at TP 8 T 256 on 2026-12-02); a second wave loses (TP 4 T 256 29.2 against 20.1).
+TILE_SPLIT_HEAD = TileConfig("m64h", bm=64, wide=False, mma_stages=0, cost=0.51,
+                             wave_cost=0.47, split_head=True)
 #: The split-head tile is planned above this T. At T <= 32 the swapped split plan measured
 #: as fast or faster in every layout tried (22:45 UTC, cold us, m64h against the plan before
 #: it: TP 2 T 32 22.7 / 22.5, D 64 T 1 / 16 / 32 13.6 / 10.8, 13.3 / 11.7, 13.1 / 13.0, TP 8 at
@@ -288,7 +296,7 @@ def check_overrides(arch: str | None) -> None:
     forced_handover()
 
 
-#: Most CTAs that share one stream-K tile: bounds the partials a reduction gathers into SMEM.
+#: Most CTAs that share one stream-K tile: bounds the partials its last contributor reads.
 MAX_CONTRIBUTORS = 16
 
 # When the default plan is stream-K (H200, 2026-12-01, cold, specs/stacked_kv_proj.md): at decode
@@ -297,7 +305,9 @@ MAX_CONTRIBUTORS = 16
 # the two measured within run-to-run noise of each other, the reduction's fixed latency
 # (partial store, release/acquire hand-over, gather, an exposed epilogue) eating what the
 # extra SMs gain; at T >= 256 and in the last wave of large T data-parallel measured faster in
-# every layout tried. Forced stream-K stays available (CUTE_KERNELS_STACKED_SCHEDULE).
+# every layout tried — also with the last contributor finishing each tile (2026-12-02 01:22
+# UTC: e.g. TP 8, T = 1024 on m128 38.7 us against 30.0, TP 1, T = 1024 on m128w 182.2 against
+# 155.6). Forced stream-K stays available (CUTE_KERNELS_STACKED_SCHEDULE).
 STREAM_K_MAX_TOKENS = 64
 STREAM_K_MIN_TILE_BYTES = 2 << 20  # weight bytes per data-parallel tile
 STREAM_K_TILE = "m64"
@@ -324,19 +334,24 @@ def schedule(tiles: int, k_tiles: int, ctas: int, stream_k: bool) -> tuple[int, 
 
 
 def estimate(tiles: int, ctas: int, tile: TileConfig) -> float:
-    """Time of a data-parallel schedule in units of one m128 tile: waves x cost."""
-    return -(-tiles // ctas) * tile.cost
+    """Time of a data-parallel schedule in units of one wave of m128: its first wave's cost and
+    each further wave's (infinite beyond the tile's ``max_waves``)."""
+    waves = -(-tiles // ctas)
+    if tile.max_waves is not None and waves > tile.max_waves:
+        return math.inf
+    return tile.cost + (waves - 1) * tile.wave_cost
 
 
 def choose_tile(tokens: int, impl: str, num_layers: int, n_kv: int, head_dim: int,
                 sms: int, split_head: bool = True) -> str:
     """The data-parallel tile for ``tokens`` rows of a layout on core ``impl`` with ``sms``
-    SMs (``CUTE_KERNELS_STACKED_TILE`` overrides): the least ``waves x cost``, a wave being one
-    tile per SM and ``cost`` a tile's measured time relative to m128. The wave count is what
-    makes m128 beat m128w at T = 512..1024 on the drafter layout (3 and 5 waves against 2 and
-    3 of 1.75) and m64 lose to m128 at T = 128 (two waves of 64-row tiles, one of 128), and
-    the split-head tile win where its twice as many tiles still fit one wave (above
-    ``SPLIT_HEAD_MIN_TOKENS``; never with ``split_head`` False: a stream-K plan)."""
+    SMs (``CUTE_KERNELS_STACKED_TILE`` overrides): the least :func:`estimate`, a wave being one
+    tile per SM, priced by the tile's measured wave costs. The wave count is what makes m128
+    beat m128w at T = 512..1024 on the drafter layout (3 and 5 waves against 2 and 3), m64
+    lose to m128 at T = 128 (two waves of 64-row tiles, one of 128) and beat m128w at TP 1,
+    T = 256 (three short waves against one long one), and the split-head tile win where its
+    twice as many tiles still fit one wave (above ``SPLIT_HEAD_MIN_TOKENS``; never with
+    ``split_head`` False: a stream-K plan)."""
     forced = forced_tile(impl)
     if forced is not None:
         return forced
