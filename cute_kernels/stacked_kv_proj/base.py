@@ -77,6 +77,27 @@ class StackedKvProjBase:
         return Int64(self.n_total * 2) * Int64(hidden) >= Int64(EVICT_FIRST_WEIGHT_BYTES)
 
     @cute.jit
+    def arrive(self, counter: Int64, count: Int32, sArrived: cute.Tensor, tid: Int32,
+               barrier_id: int | None = None, threads: int | None = None) -> cutlass.Boolean:
+        """After the calling threads' stores of a partial (the CTA's, or with ``barrier_id``
+        the ``threads`` threads of that named barrier): count it as arrived at the tile's
+        ``counter`` and return, on every calling thread, whether it completed ``count``
+        arrivals. One thread adds 1 after a CTA barrier (``fence.acq_rel.gpu`` + a relaxed
+        atomic: a release whose cumulativity carries the others' stores) and fences again
+        (acquire: the other partials are visible to all after the second barrier); the last
+        zeroes the counter (every partial has arrived), so the next launch — a CUDA-graph
+        replay included — starts from zero. ``sArrived``: one Int32 of shared memory."""
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+        if tid == 0:
+            arrived = du.atomic_add_release(counter, Int32(1))
+            du.fence_acq_rel()
+            if arrived == count - 1:
+                du.store_relaxed(counter, Int32(0))
+            sArrived[0] = arrived
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+        return sArrived[0] == count - 1
+
+    @cute.jit
     def tile_coords(self, tile: Int32, num_m_tiles: Int32) -> tuple:
         """Grouped raster: ``group_m`` M tiles run next to each other on each weight tile.
         Split-head tiles: the two halves of a head are consecutive tiles (the two CTAs of a

@@ -298,18 +298,8 @@ class StackedKvProjMma(StackedKvProjBase):
                                                Float32)
             du.store_f32x4(tile_slots + Int64(split) * partial_bytes
                            + Int64(row * self.bn + col) * 4, v0, v1, v2, v3)
-        # Every thread's stores precede the one release (CTA barrier, then a gpu-scope
-        # release by one thread: cumulativity carries the others' stores).
-        cute.arch.sync_threads()
-        if tidx == 0:
-            arrived = du.atomic_add_release(counter, Int32(1))
-            du.fence_acq_rel()  # acquire: the other partials are visible after the barrier
-            sLast[0] = arrived
-        cute.arch.sync_threads()
-        last = sLast[0] == splits - 1
+        last = self.arrive(counter, splits, sLast, tidx)
         if last:
-            if tidx == 0:  # every split has arrived: zero for the next launch
-                du.store_relaxed(counter, Int32(0))
             g_base = c_base + self.c_bytes  # the ring beyond sC
             batch = cutlass.max(self.gather_bytes // (chunks * 16), 1)
             for first in cutlass.range(0, splits, batch, unroll=1):

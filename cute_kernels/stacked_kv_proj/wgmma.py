@@ -361,8 +361,9 @@ class StackedKvProjWgmma(StackedKvProjBase):
         is last), resets the counter and returns 1; the others return 0.
 
         Each thread stores and loads the elements of its own fragment (a quad's 32 contiguous
-        bytes of a row), all loads of a partial in flight at once; the partials were written
-        by other SMs, so they are read from L2 (``ld.global.cg``)."""
+        bytes of a row); the partials were written by other SMs, so they are read from L2
+        (``ld.global.cg``). Each load sits under its row's branch next to the addition that
+        uses it, so they are not all in flight at once (the spec, "Status and known gaps")."""
         slot = sk.own_slot(seg)
         for q in cutlass.range_constexpr(self.bn // 4):
             row, col = tCcC[2 * q]
@@ -370,20 +371,9 @@ class StackedKvProjWgmma(StackedKvProjBase):
                 du.store_f32x2(self.partial_addr(mWork, slot, row, col), acc[2 * q],
                                acc[2 * q + 1])
         first, count = sk.contributors(seg)
-        # Every consumer's stores precede the one release (CTA barrier, then a gpu-scope
-        # release by one thread: cumulativity carries the others' stores); its acquire makes
-        # the other partials visible to every consumer after the second barrier.
-        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.consumer_threads)
-        if ctid == 0:
-            counter = mCount.iterator.toint() + Int64(seg) * 4
-            arrived = du.atomic_add_release(counter, Int32(1))
-            du.fence_acq_rel()
-            if arrived == count - 1:  # every contributor has arrived: zero for the next launch
-                du.store_relaxed(counter, Int32(0))
-            sArrived[0] = arrived
-        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.consumer_threads)
         last = Int32(0)
-        if sArrived[0] == count - 1:
+        if self.arrive(mCount.iterator.toint() + Int64(seg) * 4, count, sArrived, ctid,
+                       CONSUMER_BARRIER, self.consumer_threads):
             last = Int32(1)
             # Contributors after the first start their ranges inside this tile, so it is
             # their first tile (slot 2c); only the first's slot needs the division.
