@@ -52,3 +52,37 @@ def test_each_worker_imports_its_own_package(tmp_path) -> None:
     cache.mkdir()
     assert ab._run("old", old, cache, [], 2) == []  # raises if it imported another package
     assert ab._run("new", old, cache, [], 2) == []
+
+
+def test_a_cell_builds_calls_and_hashes_on_cpu_stand_ins(monkeypatch) -> None:
+    """The worker's measurement of each op with the make perf inputs built on the CPU, the
+    compiled functions recording their calls (``cpu_launches``) and a timer that calls once:
+    one timed and one poisoned call per cell, the stacked plan named, a hash of the caches."""
+    import torch
+
+    from cute_kernels.testing import cpu_launches
+    from perf import bench_compress_c128, bench_kv_rope_insert, bench_stacked_kv_proj
+
+    for module, name in ((bench_kv_rope_insert, "kv_rope_insert_case"),
+                         (bench_compress_c128, "compress_c128_case"),
+                         (bench_stacked_kv_proj, "stacked_kv_proj_case")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, **k: real(
+            *("cpu" if x == "cuda" else x for x in a), **k))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    for name in ab.STACKED_ENV:  # a cell sets its overrides: restored after the test
+        monkeypatch.delenv(name, raising=False)
+
+    class OneCall:
+        def cold_us(self, fn) -> float:
+            fn()
+            return 1.5
+
+    cells = ab.parse_cells("stacked:tp8:64:m64:dp,kv:fp8:16:decode,c128:all:4")
+    with cpu_launches() as launches:
+        rows = [ab._measure(cell, OneCall()) for cell in cells]
+    assert [len(launches)] == [6]
+    assert [launch.key.cache_format.value for launch in launches[2:4]] == ["fp8", "fp8"]
+    assert [r["cell"] for r in rows] == [c.name for c in cells]
+    assert rows[0]["plan"].startswith("m64 dp") and rows[1]["plan"] == rows[2]["plan"] == ""
+    assert all(r["us"] == 1.5 and len(r["sha"]) == 16 for r in rows)
