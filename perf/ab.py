@@ -32,9 +32,11 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from cute_kernels.stacked_kv_proj.plan import CTAS_ENV, SCHEDULE_ENV, TILE_ENV
+
 ROOT = Path(__file__).resolve().parent.parent
-STACKED_ENV = ("CUTE_KERNELS_STACKED_TILE", "CUTE_KERNELS_STACKED_SCHEDULE",
-               "CUTE_KERNELS_STACKED_CTAS")
+#: the overrides a stacked cell's options set, in option order
+STACKED_ENV = (TILE_ENV, SCHEDULE_ENV, CTAS_ENV)
 
 
 @dataclasses.dataclass(frozen=True)
