@@ -85,7 +85,8 @@ def _stacked_kv_proj() -> int:
     for impl in impls_for(arch):
         for tile in tiles_for(impl):
             for schedule in schedules[impl]:
-                if TILES[tile].split_head and schedule.get(SCHEDULE_ENV) == "streamk":
+                if (TILES[tile].split_head or TILES[tile].tokens_n) and schedule.get(
+                        SCHEDULE_ENV) == "streamk":
                     continue  # a split-head plan is data-parallel only (check_overrides)
                 env = {"CUTE_KERNELS_STACKED_IMPL": impl, TILE_ENV: tile, **schedule}
                 os.environ.update(env)

@@ -2,7 +2,8 @@
 counts, next to the bare cuBLAS GEMM: the measurements behind the planner's cost model
 (specs/stacked_kv_proj.md). GPU only.
 
-    python -m perf.sweep_stacked [--tokens 1,16,64,256] [--json OUT] [--jobs 12]
+    python -m perf.sweep_stacked [--tokens 1,16,64,256] [--layouts tp1,tp8]
+        [--configs m64/dp,sw80/dp,m64/streamk@66] [--json OUT] [--jobs 12]
 
 Every variant is compiled first, in parallel worker processes, into the disk cache; the timed
 process then loads them.
@@ -44,6 +45,13 @@ def _name(tile: str, schedule: str, ctas: int | None) -> str:
     return f"{tile}/{schedule}" + ("" if ctas is None else f"@{ctas}")
 
 
+def _parse_config(name: str) -> tuple[str, str, int | None]:
+    """``tile/schedule[@ctas]`` -> (tile, schedule, CTA cap)."""
+    tile, _, rest = name.partition("/")
+    schedule, _, ctas = rest.partition("@")
+    return tile, schedule, int(ctas) if ctas else None
+
+
 def _compile(layout: Layout, tile: str) -> str:
     from cute_kernels.stacked_kv_proj.interface import KERNELS, StackedKvProjKey
     from cute_kernels.stacked_kv_proj.plan import StackedLayout, StackedVariant
@@ -55,14 +63,14 @@ def _compile(layout: Layout, tile: str) -> str:
     return f"{layout.name} {tile}"
 
 
-def precompile(layouts, jobs: int) -> None:
+def precompile(layouts, jobs: int, tiles=("m64", "m128", "m128w")) -> None:
     """Compile every (layout, tile) into the disk cache in ``jobs`` processes."""
     start = time.perf_counter()
     os.environ.setdefault("CUTE_KERNELS_ARCH", "sm_90a")
     import multiprocessing
 
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        pairs = [(lay, tile) for lay in layouts for tile in ("m64", "m128", "m128w")]
+        pairs = [(lay, tile) for lay in layouts for tile in tiles]
         done = list(pool.map(_compile, [lay for lay, _ in pairs], [tile for _, tile in pairs]))
     print(f"compiled {len(done)} variants in {time.perf_counter() - start:.0f} s", flush=True)
 
@@ -74,11 +82,15 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--jobs", type=int, default=12)
     parser.add_argument("--replays", type=int, default=30)
+    parser.add_argument("--configs", default=None)
     cli = parser.parse_args()
+    configs = CONFIGS if cli.configs is None else tuple(
+        _parse_config(name) for name in cli.configs.split(","))
     layouts = LAYOUTS if cli.layouts is None else tuple(
         lay for lay in LAYOUTS if lay.name in cli.layouts.split(","))
+    tiles = sorted({tile for tile, _, _ in configs})
     tokens = TOKENS if cli.tokens is None else tuple(int(t) for t in cli.tokens.split(","))
-    precompile(layouts, cli.jobs)
+    precompile(layouts, cli.jobs, tiles)
 
     from cute_kernels import stacked_kv_proj
     from cute_kernels.stacked_kv_proj.interface import plan_for_call
@@ -103,7 +115,7 @@ def main() -> None:
             row["auto"] = (f"{plan.variant.tile} {'sk' if plan.stream_k else 'dp'}"
                            f" {plan.grid}/{plan.dp_tiles}")
             row["auto_us"] = timer.cold_us(lambda a=args: stacked_kv_proj(*a))
-            for tile, schedule, ctas in CONFIGS:
+            for tile, schedule, ctas in configs:
                 os.environ["CUTE_KERNELS_STACKED_TILE"] = tile
                 os.environ["CUTE_KERNELS_STACKED_SCHEDULE"] = schedule
                 if ctas is not None:
@@ -114,7 +126,7 @@ def main() -> None:
             os.environ.pop("CUTE_KERNELS_STACKED_TILE")
             os.environ.pop("CUTE_KERNELS_STACKED_SCHEDULE")
             rows.append(row)
-            cells = "  ".join(f"{_name(*c)}={row[_name(*c)]:.1f}" for c in CONFIGS)
+            cells = "  ".join(f"{_name(*c)}={row[_name(*c)]:.1f}" for c in configs)
             print(f"{layout.label:<28} T={t:<5} cuBLAS {cublas:6.1f} floor {floor:5.1f} "
                   f"auto {row['auto_us']:6.1f} [{row['auto']}]  {cells}", flush=True)
             del case, args

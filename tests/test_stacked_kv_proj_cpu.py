@@ -456,6 +456,13 @@ OVERRIDE_REJECTIONS = {  # name -> (environment, fragments)
                                          CUTE_KERNELS_STACKED_TILE="m64h",
                                          CUTE_KERNELS_STACKED_SCHEDULE="streamk"),
                                     ("CUTE_KERNELS_STACKED_SCHEDULE", "dp")),
+    "swapped_wgmma_needs_wgmma": (dict(CUTE_KERNELS_ARCH="sm_100a",
+                                       CUTE_KERNELS_STACKED_TILE="sw80"),
+                                  ("CUTE_KERNELS_STACKED_TILE", "mma core", "'sw80'")),
+    "swapped_wgmma_is_data_parallel": (dict(CUTE_KERNELS_ARCH="sm_90a",
+                                            CUTE_KERNELS_STACKED_TILE="sw80",
+                                            CUTE_KERNELS_STACKED_SCHEDULE="streamk"),
+                                       ("CUTE_KERNELS_STACKED_SCHEDULE", "dp")),
     # no arch on meta / CPU tensors: a value that no arch accepts is still rejected
     "unknown_impl_without_arch": (dict(CUTE_KERNELS_STACKED_IMPL="bogus"),
                                   ("CUTE_KERNELS_STACKED_IMPL", "wgmma", "'bogus'")),
@@ -481,12 +488,36 @@ def test_override_rejection(device, name, monkeypatch):
     _rejects(_args(device), *fragments)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_swapped_wgmma_tile_rejects_256_wide_heads(device, monkeypatch):
+    """A swapped wgmma tile holds at most 128 weight rows: forced on D = 256 it is refused by
+    name before anything compiles, with and without an arch."""
+    case = make_case(9, hidden=128, num_layers=1, n_kv=1, head_dim=256)
+    args = dict(ctx_hidden=case.ctx_hidden, weight=case.weight, bias=None,
+                k_norm_weight=case.k_norm_weight, eps=case.eps, positions=case.positions,
+                cos_sin_cache=case.cos_sin_cache, cache_loc=case.cache_loc,
+                k_caches=case.k_caches, v_caches=case.v_caches)
+    if device == "meta":
+        args = {k: ([_meta(c) for c in v] if isinstance(v, list) else _meta(v))
+                for k, v in args.items()}
+    assert check_stacked_kv_proj(**args) is None
+    monkeypatch.setenv("CUTE_KERNELS_STACKED_TILE", "sw64")
+    _rejects(args, "CUTE_KERNELS_STACKED_TILE", "128 weight rows", "D = 256", "'sw64'")
+    monkeypatch.setenv("CUTE_KERNELS_ARCH", "sm_90a")
+    _rejects(args, "CUTE_KERNELS_STACKED_TILE", "'sw64'")
+
+
 @pytest.mark.parametrize(("tokens", "impl", "sms", "tile"), [
-    (1, "wgmma", 132, "m64"), (64, "wgmma", 132, "m64"), (65, "wgmma", 132, "m128"),
-    # three waves of m64 (320 tiles) against one of m128w: 47.2 against 53.2 us (H200)
-    (256, "wgmma", 132, "m64"), (512, "wgmma", 132, "m128"), (1024, "wgmma", 132, "m128"),
-    (2048, "wgmma", 132, "m128w"), (8192, "wgmma", 132, "m128w"),
-    (1024, "wgmma", 114, "m128w"),  # H100 PCIe: 640 m128 tiles are 6 waves, 320 m128w 3
+    (1, "wgmma", 132, "m64"), (64, "wgmma", 132, "m64"),
+    (65, "wgmma", 132, "sw80"),  # one wave of 80-token tiles against one of m128
+    # three waves of m64 (320 tiles) against one of m128w: 47.2 against 53.2 us (H200), and
+    # two of sw96 (53.3)
+    (256, "wgmma", 132, "m64"),
+    # (H200, cold us) 2 waves of sw192 80.6 against m128's 3 waves 84.2; 5 of sw128 139.1
+    # against m128 138.0 (a tie); 5 of sw256 243.5 against m128w 258.6
+    (512, "wgmma", 132, "sw192"), (1024, "wgmma", 132, "sw128"),
+    (2048, "wgmma", 132, "sw256"), (8192, "wgmma", 132, "sw256"),
+    (1024, "wgmma", 114, "sw256"),  # H100 PCIe: 640 m128 tiles are 6 waves, 320 sw256 3
     (64, "mma", 132, "m64"), (8192, "mma", 132, "m128"),  # the mma core has no wide tile
 ])
 def test_tile_choice(tokens, impl, sms, tile, monkeypatch):
@@ -555,6 +586,14 @@ COST_MODEL_CHOICES = [
     ("d256", 2, 1, 256, 5120, 256, "m64h", 1),  # 20.9 against swap16's 23.6
     ("d64", 6, 4, 64, 2048, 16, "swap16", 3),  # 11.7 against m64h's 13.3
     ("d64", 6, 4, 64, 2048, 64, "m64h", 1),  # 11.5 against m64's 13.6
+    # the swapped wgmma tiles (H200, 2026-12-02 13:30 UTC, cold us, each tile forced)
+    ("tp8", 5, 1, 128, 4096, 1024, "sw80", 1),  # 130 CTAs: 22.7 against m128's 30.2
+    ("tp8", 5, 1, 128, 4096, 2048, "sw160", 1),  # 36.9 against m64's 51.2
+    ("tp4", 5, 2, 128, 4096, 1024, "sw192", 1),  # 41.2 against m64's 48.8
+    ("tp2", 5, 4, 128, 4096, 256, "sw96", 1),  # 24.8 against m128's 30.2
+    ("1layer", 1, 8, 128, 4096, 1024, "sw128", 1),  # 30.9 against m128's 32.1
+    ("d64", 3, 4, 64, 4096, 1024, "sw96", 1),  # 24.4 against m128's 29.1
+    ("d256", 2, 1, 256, 5120, 1024, "m64h", 1),  # no swapped wgmma tile holds 256 rows
 ]
 
 

@@ -150,6 +150,29 @@ def test_every_tile_config(tile, tokens, n_kv, head_dim, impl, monkeypatch):
     _check(case)
 
 
+SWAPPED_WGMMA_CASES = [  # (tile, tokens, H, L, n_kv, D, bias, commit)
+    ("sw48", 300, 2560, 2, 1, 64, True, False),  # 64-row weight tiles: one consumer warpgroup
+    ("sw80", 1, 4096, 5, 1, 128, False, False),  # T = 1: 79 zero-filled token rows
+    ("sw32", 257, 448, 1, 2, 128, True, True),  # 7 k-tiles, 9 token tiles, the last 1 row
+    ("sw256", 600, 2560, 3, 4, 64, True, True),  # two D = 64 heads a tile, 8 rows per thread
+    ("sw160", 1000, 128, 2, 2, 128, False, False),  # H 128: fewer k-tiles than stages
+]
+
+
+@pytest.mark.parametrize("case_args", SWAPPED_WGMMA_CASES, ids=str)
+def test_swapped_wgmma_tiles(case_args, monkeypatch):
+    """The swapped wgmma tiles (the weight as the wgmma's M, the tokens as its N) forced on
+    small and odd layouts, checked over three runs."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the swapped wgmma tiles are the wgmma core's (sm_90a)")
+    tile, tokens, hidden, layers, n_kv, head_dim, bias, commit = case_args
+    monkeypatch.setenv(IMPL_ENV, "wgmma")
+    monkeypatch.setenv(TILE_ENV, tile)
+    case = make_case(tokens, hidden, layers, n_kv, head_dim, "cuda", bias=bias, commit=commit,
+                     seed=tokens + hidden)
+    _check(case, rounds=3)
+
+
 def test_odd_k_tile_count(impl):
     """H = 448: 7 k-tiles, not a multiple of any ring depth."""
     case = make_case(33, 448, 2, 2, 128, "cuda", seed=16)

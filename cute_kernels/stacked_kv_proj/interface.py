@@ -48,12 +48,14 @@ from .plan import (
     IMPL_ENV,
     SCHEDULE_ENV,
     SPLITS_ENV,
+    SWAPPED_WGMMA_MAX_COLUMNS,
     TILE_ENV,
     TILES,
     StackedLayout,
     StackedPlan,
     StackedVariant,
     check_overrides,
+    check_tile_layout,
     choose_plan,
     impls_for,
     tile_n,
@@ -61,6 +63,7 @@ from .plan import (
     variants_for,
 )
 from .wgmma import StackedKvProjWgmma
+from .wgmma_swap import StackedKvProjWgmmaSwap
 
 #: Byte alignment of each tensor argument: what the kernel is compiled to assume (the fake
 #: tensors of :func:`_build`) and what the validation checks, from this one table. Rows of
@@ -129,8 +132,16 @@ def _build(key: StackedKvProjKey):
     v_caches = tuple(cache("v_caches") for _ in range(layout.num_layers))
     core_args = (layout.num_layers, layout.n_kv, d, layout.has_bias, layout.has_commit,
                  norm_dtype, TILES[variant.tile])
-    kernel = (StackedKvProjMma(*core_args, variant.cluster) if variant.impl == "mma"
-              else StackedKvProjWgmma(*core_args))
+    if variant.impl == "mma":
+        kernel = StackedKvProjMma(*core_args, variant.cluster)
+    elif TILES[variant.tile].tokens_n:
+        if tile_n(d, layout.kv) > SWAPPED_WGMMA_MAX_COLUMNS:
+            raise LayoutError(f"tile: expected a tile of whole heads for D = {d} (a swapped "
+                              f"wgmma tile holds at most {SWAPPED_WGMMA_MAX_COLUMNS} weight "
+                              f"rows), got {variant.tile}")
+        kernel = StackedKvProjWgmmaSwap(*core_args)
+    else:
+        kernel = StackedKvProjWgmma(*core_args)
     # the split-K / stream-K workspace and counters, then the wgmma core's grid and DP tiles,
     # or the mma core's K splits per tile
     schedule = (du.fake_row_major(Float32, (du.sym(),), align=WORKSPACE_ALIGN),
@@ -317,9 +328,9 @@ def _planned(layout: StackedLayout, plan: StackedPlan, args: tuple) -> Callable[
     slot_floats = tile.bm * tile.columns(layout.head_dim, layout.kv)
     index = device_index(device)
     if plan.variant.impl == "wgmma":  # two stream-K slots per CTA, a counter per tile
-        workspace = (2 * plan.grid * slot_floats, 2 * plan.grid)
+        handover = not tile.tokens_n  # (a swapped wgmma plan: one CTA per tile)
+        workspace = (2 * plan.grid * slot_floats, 2 * plan.grid) if handover else (4, 1)
         grid_args: tuple = (plan.grid, plan.dp_tiles)
-        handover = True
     else:  # a slot per CTA of a tile split over the workspace, a counter per tile
         handover = plan.splits > 1 and not plan.variant.cluster
         workspace = (plan.grid * slot_floats, plan.dp_tiles) if handover else (4, 1)
@@ -440,6 +451,7 @@ def stacked_kv_proj(
 
     arch = arch_for(device)
     check_overrides(arch)
+    check_tile_layout(head_dim, kv)
     if arch is None:
         return None
     return StackedLayout(num_layers, n_kv, head_dim, bias is not None, cache_loc_2d is not None,

@@ -10,23 +10,20 @@ import math
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Boolean, Float32, Int32, Int64, Uint32, const_expr
+from cutlass import BFloat16, Boolean, Float32, Int32, Int64, const_expr
 
 from .. import dsl_utils as du
-from .base import StackedKvProjBase, neox_rotate, r1, r2
+from .base import StackedKvProjBase
 from .plan import C_ROW_PAD, CLUSTER_MAX_SPLITS, TileConfig, gather_bytes, ring_bytes, swap_ring
+from .staged import CHUNK, StagedEpilogue
 
-CHUNK = 8  # columns per thread per half head in the epilogue (one 16-byte bf16 vector)
 SMEM_BUDGET = 200 * 1024  # bytes of A/B ring per CTA (227 KiB is the sm_90/sm_100 maximum)
 
 
-class StackedKvProjMma(StackedKvProjBase):
+class StackedKvProjMma(StagedEpilogue, StackedKvProjBase):
     """Portable ``mma.sync`` GEMM + norm/RoPE/scatter epilogue (runs on sm_80 and later).
 
-    The fp32 accumulators go through SMEM; a second thread mapping then gives each thread 8
-    columns of one head's first half and the 8 NeoX partners ``d + D/2`` of one row, so the
-    pair is register-local, the sum of squares is an in-thread sum plus a butterfly over the
-    ``D / 16`` threads of the head, and each half leaves as one 16-byte store.
+    The fp32 accumulators go through SMEM, to the epilogue of :class:`~.staged.StagedEpilogue`.
 
     Swapped tiles (decode sizes): the MMA computes ``W_tile @ X_tile^T`` — the ``bn`` weight
     rows are its M (four warps of 32 rows) and the ``bm`` tokens its N — so each ring stage is
@@ -64,14 +61,7 @@ class StackedKvProjMma(StackedKvProjBase):
             self.stages = self.ring_stages(tile.mma_stages, SMEM_BUDGET)
         self.mma_m, self.mma_n = (self.bn, self.bm) if tile.swap else (self.bm, self.bn)
         assert self.mma_m % (16 * self.warps_m) == 0 and self.mma_n % (16 * self.warps_n) == 0
-        # Epilogue thread mapping: lanes_per_head threads per (row, head), heads of the tile
-        # next, rows last; each thread keeps its columns for every row it handles.
-        self.lanes_per_head = head_dim // (2 * CHUNK)
-        self.row_step = self.threads // (self.lanes_per_head * self.heads_per_tile)
-        assert self.row_step >= 1 and (self.bm % self.row_step == 0
-                                       or self.row_step % self.bm == 0)
-        self.rows_per_thread = max(1, self.bm // self.row_step)
-        self.c_stride = self.bn + C_ROW_PAD  # fp32 staging row (padded)
+        self.init_staged_epilogue(self.threads, self.bn + C_ROW_PAD)
         # the ring beyond the staged C tile, where a split tile's last CTA gathers partials
         self.c_bytes = ring_bytes(self.stages, self.bm, self.bn) - gather_bytes(
             self.stages, self.bm, self.bn)
@@ -182,16 +172,10 @@ class StackedKvProjMma(StackedKvProjBase):
         sB = smem.allocate_tensor(BFloat16, sB_layout, 1024)
         sLast = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
 
-        # The epilogue's row metadata, fetched now: it lands while the main loop runs.
-        rSlot = cute.make_rmem_tensor((self.rows_per_thread,), Int64)
-        rPos = cute.make_rmem_tensor((self.rows_per_thread,), Int64)
-        rCommitted = cute.make_rmem_tensor((self.rows_per_thread,), Int32)
-        rCos = cute.make_rmem_tensor((self.rows_per_thread, CHUNK), Float32)
-        rSin = cute.make_rmem_tensor((self.rows_per_thread, CHUNK), Float32)
-        self.row_inputs(mPos, mLoc, mCommit, width, tile_m, tidx, rSlot, rPos, rCommitted)
-        rBias = cute.make_rmem_tensor((2, CHUNK), BFloat16)
-        rNorm = cute.make_rmem_tensor((2, CHUNK), self.norm_dtype)
-        self.column_inputs(mBias, mNormW, tile_n, tidx, rBias, rNorm)
+        # The epilogue's row metadata, bias and norm weights, requested now: they land while
+        # the main loop runs.
+        rSlot, rPos, rCommitted, rCos, rSin, rBias, rNorm = self.epilogue_inputs(
+            mBias, mNormW, mPos, mLoc, mCommit, width, tile_m, tile_n, tidx)
 
         if const_expr(self.swap):  # weight rows are the MMA's M, tokens its N
             tCrC = self.mainloop(mW, tile_n, mX, tile_m, sA, sB, copy_a, copy_b, tiled_mma,
@@ -201,15 +185,9 @@ class StackedKvProjMma(StackedKvProjBase):
                                  k_lo, k_hi, tidx)
 
         # fp32 accumulators -> padded [token, column] SMEM tile (reusing the ring), then the
-        # epilogue mapping. A swapped fragment is written through the transposed view.
-        c_layout = cute.make_layout((self.bm, self.bn), stride=(self.c_stride, 1))
-        sC = cute.make_tensor(cute.recast_ptr(sA.iterator, dtype=Float32), c_layout)
-        sC_mma = sC
-        if const_expr(self.swap):
-            sC_mma = cute.make_tensor(sC.iterator, cute.make_layout(
-                (self.bn, self.bm), stride=(1, self.c_stride)))
-        thr_mma = tiled_mma.get_slice(tidx)
-        cute.autovec_copy(tCrC, thr_mma.partition_C(sC_mma))
+        # epilogue mapping
+        sC = self.staged_tile(sA.iterator)
+        self.stage_fragment(tiled_mma, tidx, tCrC, sC, self.swap)
         _, first_column = self.tile_layer(tile_n)
         self.rope_inputs(mCosSin, tile_m, first_column < self.kv, num_tokens, tidx, rSlot,
                          rPos, rCommitted, rCos, rSin)
@@ -503,156 +481,3 @@ class StackedKvProjMma(StackedKvProjBase):
             for m in range(tXpX.shape[1]):
                 tXpX[v, m, 0] = cute.elem_less(tXcX[(0, v), m, 0, 0][0], rows)
         return tXpX
-
-    def epilogue_thread(self, tidx: Int32) -> tuple:
-        """The epilogue's thread mapping: (lane in the head, head in the tile, first row)."""
-        lane_in_head = tidx % self.lanes_per_head
-        head = (tidx // self.lanes_per_head) % self.heads_per_tile
-        return lane_in_head, head, tidx // (self.lanes_per_head * self.heads_per_tile)
-
-    @cute.jit
-    def row_inputs(self, mPos: cute.Tensor, mLoc: cute.Tensor, mCommit: cute.Tensor | None,
-                   width: Int32, tile_m: Int32, tidx: Int32, rSlot: cute.Tensor,
-                   rPos: cute.Tensor, rCommitted: cute.Tensor) -> None:
-        """Slot, position and commit length of each row this thread finishes, loaded before
-        the main loop so that the three DRAM round trips land while it runs. Nothing here
-        uses a loaded value (the validity test waits for the epilogue), so no load stalls the
-        weight stream's issue."""
-        _, _, row_first = self.epilogue_thread(tidx)
-        for it in cutlass.range_constexpr(self.rows_per_thread):
-            token = tile_m * self.bm + cutlass.min(row_first + it * self.row_step, self.bm - 1)
-            t = cutlass.select_(token < mLoc.shape[0], token, Int32(0))
-            rSlot[it] = mLoc[t]
-            rPos[it] = mPos[t]  # in range; a skipped row's own position is never used
-            if const_expr(self.has_commit):
-                req = t // width
-                rCommitted[it] = mCommit[req] - (t - req * width)  # > 0: the row commits
-
-    @cute.jit
-    def row_valid(self, it: int, tile_m: Int32, row_first: Int32, num_tokens: Int32,
-                  rSlot: cute.Tensor, rCommitted: cute.Tensor) -> Boolean:
-        """Whether thread row ``it`` is stored: in the tile and below T, a non-negative slot,
-        and with ``cache_loc_2d`` below its request's commit length."""
-        row = row_first + it * self.row_step
-        valid = (row < self.bm) & (tile_m * self.bm + row < num_tokens) & (rSlot[it] >= 0)
-        if const_expr(self.has_commit):
-            valid = valid & (rCommitted[it] > 0)
-        return valid
-
-    @cute.jit
-    def rope_inputs(self, mCosSin: cute.Tensor, tile_m: Int32, is_k: Boolean,
-                    num_tokens: Int32, tidx: Int32, rSlot: cute.Tensor, rPos: cute.Tensor,
-                    rCommitted: cute.Tensor, rCos: cute.Tensor, rSin: cute.Tensor) -> None:
-        """The cos/sin halves of each K row's table row (row 0 for a row that is not
-        stored), loaded as soon as the positions are in: before a split tile's hand-over,
-        whose round trips then hide them."""
-        half = self.head_dim // 2
-        lane_in_head, _, row_first = self.epilogue_thread(tidx)
-        if is_k:
-            for it in cutlass.range_constexpr(self.rows_per_thread):
-                valid = self.row_valid(it, tile_m, row_first, num_tokens, rSlot, rCommitted)
-                gCS = mCosSin[cutlass.select_(valid, rPos[it], Int64(0)), None]
-                cute.autovec_copy(cute.local_tile(gCS, (CHUNK,), (lane_in_head,)), rCos[it, None])
-                cute.autovec_copy(
-                    cute.local_tile(gCS, (CHUNK,), ((half + lane_in_head * CHUNK) // CHUNK,)),
-                    rSin[it, None],
-                )
-
-    @cute.jit
-    def column_inputs(self, mBias: cute.Tensor | None, mNormW: cute.Tensor, tile_n: Int32,
-                      tidx: Int32, rBias: cute.Tensor, rNorm: cute.Tensor) -> None:
-        """This thread's bias values and norm weights of both halves (``(2, CHUNK)``, the same
-        for every row it finishes), loaded before the main loop like the row metadata: a cold
-        DRAM round trip the epilogue would otherwise wait for after the last split arrives.
-        Kept in their own dtypes (converted in the epilogue), so nothing waits for them here."""
-        half = self.head_dim // 2
-        lane_in_head, head, _ = self.epilogue_thread(tidx)
-        col_lo = head * self.head_dim + lane_in_head * CHUNK  # tile column of the first half
-        layer, _ = self.tile_layer(tile_n)
-        for h in cutlass.range_constexpr(2):
-            if const_expr(self.has_bias):
-                gb = cute.local_tile(
-                    mBias, (CHUNK,), ((tile_n * self.bn + col_lo + h * half) // CHUNK,)
-                )
-                cute.autovec_copy(gb, rBias[h, None])
-            gn = cute.local_tile(mNormW[layer, None], (CHUNK,),
-                                 ((lane_in_head * CHUNK + h * half) // CHUNK,))
-            cute.autovec_copy(gn, rNorm[h, None])
-
-    @cute.jit
-    def epilogue(
-        self,
-        sC: cute.Tensor,
-        eps: Float32,
-        num_tokens: Int32,
-        k_caches: tuple,
-        v_caches: tuple,
-        tile_m: Int32,
-        tile_n: Int32,
-        tidx: Int32,
-        rSlot: cute.Tensor,
-        rCommitted: cute.Tensor,
-        rCos: cute.Tensor,
-        rSin: cute.Tensor,
-        rBias: cute.Tensor,
-        rNorm: cute.Tensor,
-        row_lo: Int32,
-        row_hi: Int32,
-    ) -> None:
-        """Rows ``[row_lo, row_hi)`` of the staged fp32 tile -> cache rows (row metadata,
-        bias, norm weights and cos/sin prefetched)."""
-        half = self.head_dim // 2
-        lane_in_head, head, row_first = self.epilogue_thread(tidx)
-        col_lo = head * self.head_dim + lane_in_head * CHUNK  # tile column of the first half
-        _, is_k, base, row_bytes = self.tile_destination(tile_n, k_caches, v_caches, col_lo)
-        rBiasF = cute.make_rmem_tensor((2 * CHUNK,), Float32)
-        rNormF = cute.make_rmem_tensor((2 * CHUNK,), Float32)
-        for h in cutlass.range_constexpr(2):
-            for i in cutlass.range_constexpr(CHUNK):
-                if const_expr(self.has_bias):
-                    rBiasF[h * CHUNK + i] = rBias[h, i].to(Float32)
-                rNormF[h * CHUNK + i] = rNorm[h, i].to(Float32)
-
-        inv_d = Float32(1.0 / self.head_dim)  # exact: D is a power of two
-        rAcc = cute.make_rmem_tensor((CHUNK,), Float32)
-        rY = cute.make_rmem_tensor((2 * CHUNK,), Float32)
-        rOut = cute.make_rmem_tensor((CHUNK // 2,), Uint32)
-        for it in cutlass.range_constexpr(self.rows_per_thread):
-            # more thread rows than tile rows (row_step > bm): the extra ones compute row 0
-            # again and store nothing
-            own = row_first + it * self.row_step
-            row = cutlass.min(own, self.bm - 1)
-            valid = self.row_valid(it, tile_m, row_first, num_tokens, rSlot, rCommitted)
-            valid = valid & (own >= row_lo) & (own < row_hi)
-            for h in cutlass.range_constexpr(2):
-                col = (col_lo + h * half) // CHUNK
-                cute.autovec_copy(cute.local_tile(sC[row, None], (CHUNK,), (col,)), rAcc)
-                for i in cutlass.range_constexpr(CHUNK):
-                    rY[h * CHUNK + i] = r1(
-                        rAcc[i], rBiasF[h * CHUNK + i] if const_expr(self.has_bias) else None
-                    )
-
-            if is_k:
-                # Every lane of the warp is here (is_k is CTA-uniform): safe to shuffle.
-                ss = Float32(0.0)
-                for i in cutlass.range_constexpr(2 * CHUNK):
-                    ss = ss + rY[i] * rY[i]
-                offset = 1
-                for _ in cutlass.range_constexpr(int(math.log2(self.lanes_per_head))):
-                    ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=offset)
-                    offset *= 2
-                rstd = du.rsqrt_approx(ss * inv_d + eps)
-                for i in cutlass.range_constexpr(2 * CHUNK):
-                    rY[i] = r2(rY[i], rstd, rNormF[i])
-                for i in cutlass.range_constexpr(CHUNK):
-                    rY[i], rY[CHUNK + i] = neox_rotate(rY[i], rY[CHUNK + i], rCos[it, i],
-                                                       rSin[it, i])
-
-            if valid:
-                row_addr = base + Int64(rSlot[it]) * row_bytes
-                for h in cutlass.range_constexpr(2):
-                    for w in cutlass.range_constexpr(CHUNK // 2):
-                        rOut[w] = du.pack_bf16x2(  # R3 (K) / exact (V)
-                            rY[h * CHUNK + 2 * w], rY[h * CHUNK + 2 * w + 1]
-                        )
-                    du.store_words(row_addr + h * half * 2, rOut)

@@ -56,6 +56,11 @@ class TileConfig:
     # one CTA), and exchange the rows' sums of squares through DSMEM: twice the CTAs of the
     # whole-head tile for the layouts of few weight tiles.
     split_head: bool = False
+    # Swapped wgmma tile: the weight tile is the wgmma's A (64 rows per consumer warpgroup)
+    # and the bm tokens its N, so bm is any multiple of 8 up to 256 and the plan sizes it to
+    # fill the SMs (few weight tiles: TP 4 / TP 8 ranks, one-layer drafters); the epilogue is
+    # the staged one. Weight tiles of 64 or 128 rows (not D = 256).
+    tokens_n: bool = False
 
     def columns(self, head_dim: int, kv: int) -> int:
         """Stacked columns of one CTA tile of this config."""
@@ -93,7 +98,29 @@ TILE_SPLIT_HEAD = TileConfig("m64h", bm=64, wide=False, mma_stages=0, cost=0.51,
 #: it: TP 2 T 32 22.7 / 22.5, D 64 T 1 / 16 / 32 13.6 / 10.8, 13.3 / 11.7, 13.1 / 13.0, TP 8 at
 #: H 2048 T 32 10.6 / 10.0); at T = 64 m64h won in all five layouts tried.
 SPLIT_HEAD_MIN_TOKENS = 33
-TILES = {t.name: t for t in (TILE_SMALL, TILE_MEDIUM, TILE_WIDE, TILE_SWAP, TILE_SPLIT_HEAD)}
+#: The swapped wgmma tiles (``sw<N>``, N the wgmma's N) and the measured cost of one wave of
+#: each, relative to m128's (H200, 2026-12-02 13:30 UTC, cold, `perf.sweep_stacked` with each
+#: tile forced: one full wave of 110-132 CTAs at H 4096 took 16.0-17.5 us for sw32, 18-20
+#: sw48, 19.6-21 sw64, 19.8-21.6 sw80, 22.3-23.5 sw96, 27.4-28.9 sw128, 32.4-34.4 sw160,
+#: 37.5-39.6 sw192, 47.7-50.6 sw256, against 28.8-29.8 for m128). One CTA per tile, so a
+#: further wave costs what the first does from 128 tokens (sw128 on 3 waves 79.1 us, sw256 on
+#: 5 243.5) and ~1.3x it below (sw80 on 2 waves 47.0-48.4, sw96 48.1; TP 1, T = 256: sw96 on
+#: 2 waves 53.3 against m64's 3 waves 48.4).
+SWAPPED_WGMMA_WAVE_COSTS = {32: 0.56, 48: 0.63, 64: 0.68, 80: 0.70, 96: 0.77, 128: 0.95,
+                            160: 1.12, 192: 1.30, 256: 1.65}
+TILES_SWAPPED_WGMMA = tuple(
+    TileConfig(f"sw{n}", bm=n, wide=False, mma_stages=0, cost=cost,
+               wave_cost=cost * (1.3 if n < 128 else 1.0), tokens_n=True)
+    for n, cost in SWAPPED_WGMMA_WAVE_COSTS.items())
+#: The swapped wgmma tiles are planned from this T: below, every tile is one token tile, and
+#: the swapped split plan and m64 / m64h measured as fast or faster than sw32 could be
+#: (TP 1, T = 64: sw64 32.0 us, m64 33.0; sw32 on two token tiles 36.5).
+SWAPPED_WGMMA_MIN_TOKENS = 33
+#: Most weight rows (columns of the stacked output) of a swapped wgmma tile: two consumer
+#: warpgroups of m64.
+SWAPPED_WGMMA_MAX_COLUMNS = 128
+TILES = {t.name: t for t in (TILE_SMALL, TILE_MEDIUM, TILE_WIDE, TILE_SWAP, TILE_SPLIT_HEAD,
+                             *TILES_SWAPPED_WGMMA)}
 SWAP_TILES = tuple(name for name, t in TILES.items() if t.swap)
 #: The largest T the swapped tile is planned for (the range its cost model was fitted on).
 SWAP_MAX_TOKENS = 256
@@ -113,6 +140,16 @@ SPLIT_IN_FLIGHT_BYTES = 8 << 20
 #: UTC), with the L2 clean 9.2 -> 9.5: below some size the write-back saved is less than what
 #: the policy costs, so its loads carry no hint.
 EVICT_FIRST_WEIGHT_BYTES = 12 << 20
+def check_tile_layout(head_dim: int, kv: int) -> None:
+    """Raise :class:`LayoutError` when ``CUTE_KERNELS_STACKED_TILE`` forces a swapped wgmma
+    tile on a layout whose whole-head tile has more weight rows than it holds (D = 256)."""
+    wanted = os.environ.get(TILE_ENV, "auto")
+    if (wanted in TILES and TILES[wanted].tokens_n
+            and tile_n(head_dim, kv) > SWAPPED_WGMMA_MAX_COLUMNS):
+        fail(TILE_ENV, f"a tile of at most {SWAPPED_WGMMA_MAX_COLUMNS} weight rows for D = "
+             f"{head_dim} (a swapped wgmma tile)", repr(wanted))
+
+
 #: Most K splits of a tile that form one cluster and hand their partials over through
 #: distributed shared memory (the portable cluster size); more go through the workspace.
 CLUSTER_MAX_SPLITS = 8
@@ -180,7 +217,8 @@ def tiles_for(impl: str) -> tuple[str, ...]:
     would need 135 KiB of fp32 C for 128 x 256), the swapped tiles are the mma core's."""
     if impl == "wgmma":
         return tuple(name for name, t in TILES.items() if not t.swap)
-    return tuple(name for name, t in TILES.items() if not t.wide and not t.split_head)
+    return tuple(name for name, t in TILES.items()
+                 if not t.wide and not t.split_head and not t.tokens_n)
 
 
 def swap_ring(tile: TileConfig, bn: int) -> tuple[int, int]:
@@ -288,9 +326,10 @@ def check_overrides(arch: str | None) -> None:
     else:
         tile = forced_tile(choose_impl(arch)) or "auto"
     schedule = forced_schedule()
-    if tile != "auto" and TILES[tile].split_head and schedule == "streamk":
-        fail(SCHEDULE_ENV, f"auto or dp with {TILE_ENV}={tile} (a split-head plan is "
-             "data-parallel)", repr(schedule))
+    if tile != "auto" and schedule == "streamk" and (TILES[tile].split_head
+                                                     or TILES[tile].tokens_n):
+        fail(SCHEDULE_ENV, f"auto or dp with {TILE_ENV}={tile} (a split-head or swapped "
+             "wgmma plan is data-parallel)", repr(schedule))
     ctas_cap()
     forced_splits()
     forced_handover()
@@ -343,22 +382,33 @@ def estimate(tiles: int, ctas: int, tile: TileConfig) -> float:
 
 
 def choose_tile(tokens: int, impl: str, num_layers: int, n_kv: int, head_dim: int,
-                sms: int, split_head: bool = True) -> str:
+                sms: int, data_parallel: bool = True) -> str:
     """The data-parallel tile for ``tokens`` rows of a layout on core ``impl`` with ``sms``
     SMs (``CUTE_KERNELS_STACKED_TILE`` overrides): the least :func:`estimate`, a wave being one
     tile per SM, priced by the tile's measured wave costs. The wave count is what makes m128
     beat m128w at T = 512..1024 on the drafter layout (3 and 5 waves against 2 and 3), m64
     lose to m128 at T = 128 (two waves of 64-row tiles, one of 128) and beat m128w at TP 1,
-    T = 256 (three short waves against one long one), and the split-head tile win where its
-    twice as many tiles still fit one wave (above ``SPLIT_HEAD_MIN_TOKENS``; never with
-    ``split_head`` False: a stream-K plan)."""
+    T = 256 (three short waves against one long one), the split-head tile win where its
+    twice as many tiles still fit one wave (above ``SPLIT_HEAD_MIN_TOKENS``), and a swapped
+    wgmma tile win where its token count fills the SMs in one wave where the others leave
+    many idle (TP 8, T = 1024: 13 x 10 tiles of sw80). The split-head and swapped wgmma tiles
+    are data-parallel only: with ``data_parallel`` False (a stream-K plan) neither."""
     forced = forced_tile(impl)
     if forced is not None:
         return forced
     layout = StackedLayout(num_layers, n_kv, head_dim, False, False, "float32", "")
-    split_head = split_head and tokens >= SPLIT_HEAD_MIN_TOKENS
-    candidates = [name for name in tiles_for(impl)
-                  if not TILES[name].swap and (split_head or not TILES[name].split_head)]
+    swapped_fits = tile_n(head_dim, layout.kv) <= SWAPPED_WGMMA_MAX_COLUMNS
+
+    def candidate(config: TileConfig) -> bool:
+        if config.swap:
+            return False
+        if config.split_head:
+            return data_parallel and tokens >= SPLIT_HEAD_MIN_TOKENS
+        if config.tokens_n:
+            return data_parallel and swapped_fits and tokens >= SWAPPED_WGMMA_MIN_TOKENS
+        return True
+
+    candidates = [name for name in tiles_for(impl) if candidate(TILES[name])]
     return min(candidates, key=lambda name:
                estimate(tile_count(tokens, layout, TILES[name]), sms, TILES[name]))
 
@@ -366,6 +416,9 @@ def choose_tile(tokens: int, impl: str, num_layers: int, n_kv: int, head_dim: in
 #: fp32 padding per row of the mma core's staged C tile (its 64-bit fragment stores then take
 #: the minimum two wavefronts)
 C_ROW_PAD = 8
+#: ... and of the swapped wgmma core's: its transposed 4-byte stores put a warp's 4 token rows
+#: (2 apart) 8 banks apart, beside 8 consecutive columns: no bank conflict
+SWAPPED_C_ROW_PAD = 4
 
 
 def ring_bytes(stages: int, bm: int, bn: int) -> int:
@@ -546,7 +599,7 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
     wanted = forced_schedule()
     # a forced stream-K schedule takes a whole-head tile (the split-head plan is data-parallel)
     tile = choose_tile(tokens, impl, layout.num_layers, layout.n_kv, layout.head_dim, ctas,
-                       split_head=wanted != "streamk")
+                       data_parallel=wanted != "streamk")
     if not overridden and tokens <= SWAP_MAX_TOKENS:
         plan, estimate_us = swap_plan(layout, tokens, hidden, ctas, residency)
         # no other core to weigh it against on an arch without wgmma: taken when it fits
@@ -558,6 +611,8 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
     tiles = tile_count(tokens, layout, config)
     if impl == "mma":
         return split_plan(layout, tile, tokens, hidden, ctas, residency, forced_handover())
+    if config.tokens_n:  # one CTA per tile (check_overrides: never stream-K)
+        return StackedPlan(StackedVariant(impl, tile), False, tiles, tiles)
     if config.split_head:  # data-parallel (check_overrides), on whole 2-CTA clusters
         # an even grid keeps a head's two halves in one cluster; no more clusters than are
         # resident at once (a cluster cannot span GPCs), so none waits for a second wave

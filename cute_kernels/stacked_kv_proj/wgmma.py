@@ -31,7 +31,62 @@ FULL = 0  # all k-tiles of a tile: MMA, epilogue
 PARTIAL = 1
 
 
-class StackedKvProjWgmma(StackedKvProjBase):
+class WgmmaPipeline:
+    """The TMA ring and its producer's and consumers' stage steps, shared by both sm_90a cores
+    (``stages`` and ``consumer_warpgroups`` set by the core)."""
+
+    def make_ring(self, barriers: cute.Pointer, sA_layout: cute.ComposedLayout,
+                  sB_layout: cute.ComposedLayout) -> pipeline.PipelineTmaAsync:
+        """The mbarrier ring of A and B stages (barriers at ``barriers``): one TMA thread
+        fills a stage, one release per consumer warp frees it."""
+        stage_bytes = cute.size_in_bytes(
+            BFloat16, cute.slice_(sA_layout, (None, None, 0))
+        ) + cute.size_in_bytes(BFloat16, cute.slice_(sB_layout, (None, None, 0)))
+        return pipeline.PipelineTmaAsync.create(
+            barrier_storage=barriers,
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 4 * self.consumer_warpgroups
+            ),
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+
+    @cute.jit
+    def load_stage(self, ring, producer, operands: tuple, k_tile: Int32, stream: Int64) -> None:
+        """Producer: TMA k-tile ``k_tile`` of both operands into the next stage. ``operands``:
+        per operand ``(atom, partitioned gmem, partitioned smem, tile index, evict_first)``,
+        ``evict_first`` a runtime flag for the weight (its loads then carry the L2 cache
+        policy ``stream``) and None for the tokens."""
+        ring.producer_acquire(producer)
+        barrier = ring.producer_get_barrier(producer)
+        for i in cutlass.range_constexpr(len(operands)):
+            atom, tXgX, tXsX, tile, evict_first = operands[i]
+            src = tXgX[(None, tile, k_tile)]
+            dst = tXsX[(None, producer.index)]
+            if const_expr(evict_first is None):
+                cute.copy(atom, src, dst, tma_bar_ptr=barrier)
+            else:
+                if evict_first:
+                    cute.copy(atom, src, dst, tma_bar_ptr=barrier, cache_policy=stream)
+                else:
+                    cute.copy(atom, src, dst, tma_bar_ptr=barrier)
+        ring.producer_commit(producer)
+
+    @cute.jit
+    def mma_stage(self, ring, state, tiled_mma, acc, tCrA, tCrB, k_blocks: int) -> None:
+        """Wait for k-tile ``state`` to land, then issue its wgmmas as one commit group."""
+        ring.consumer_wait(state)
+        cute.nvgpu.warpgroup.fence()  # orders the accumulator register writes before wgmma
+        for kb in cutlass.range_constexpr(k_blocks):
+            coord = (None, None, kb, state.index)
+            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+        cute.nvgpu.warpgroup.commit_group()
+
+
+class StackedKvProjWgmma(WgmmaPipeline, StackedKvProjBase):
     """sm_90a core: persistent and warp-specialised.
 
     Warpgroup 0 is the producer: one thread issues the TMA loads of A and B k-tiles into an
@@ -187,21 +242,7 @@ class StackedKvProjWgmma(StackedKvProjBase):
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        stage_bytes = cute.size_in_bytes(
-            BFloat16, cute.slice_(sA_layout, (None, None, 0))
-        ) + cute.size_in_bytes(BFloat16, cute.slice_(sB_layout, (None, None, 0)))
-        ring = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.full_empty.data_ptr(),
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # one release per consumer warp
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, 4 * self.consumer_warpgroups
-            ),
-            tx_count=stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-            defer_sync=True,
-        )
+        ring = self.make_ring(storage.full_empty.data_ptr(), sA_layout, sB_layout)
         if const_expr(self.split_head):
             if tidx == 0:
                 for b in cutlass.range_constexpr(2):
@@ -238,14 +279,16 @@ class StackedKvProjWgmma(StackedKvProjBase):
                 for tile in cutlass.range(bid, dp_tiles, grid, unroll=1):
                     tile_m, tile_n = self.tile_coords(tile, num_m_tiles)
                     for k_tile in cutlass.range(k_tiles, unroll=1):
-                        self.load_stage(ring, producer, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB,
-                                        tile_m, tile_n, k_tile, evict_first, stream)
+                        self.load_stage(ring, producer, ((tma_a, tAgA, tAsA, tile_m, None),
+                                                         (tma_b, tBgB, tBsB, tile_n, evict_first)),
+                                        k_tile, stream)
                         producer.advance()
                 for it in cutlass.range(sk.begin, sk.end, unroll=1):
                     seg = it // k_tiles
                     tile_m, tile_n = self.tile_coords(dp_tiles + seg, num_m_tiles)
-                    self.load_stage(ring, producer, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB,
-                                    tile_m, tile_n, it - seg * k_tiles, evict_first, stream)
+                    self.load_stage(ring, producer, ((tma_a, tAgA, tAsA, tile_m, None),
+                                                     (tma_b, tBgB, tBsB, tile_n, evict_first)),
+                                    it - seg * k_tiles, stream)
                     producer.advance()
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -327,24 +370,6 @@ class StackedKvProjWgmma(StackedKvProjBase):
             cute.arch.cluster_wait()
 
     @cute.jit
-    def load_stage(self, ring, producer, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, tile_m: Int32,
-                   tile_n: Int32, k_tile: Int32, evict_first: cutlass.Boolean,
-                   stream: Int64) -> None:
-        """Producer: TMA k-tile ``k_tile`` of A (tile_m) and B (tile_n; with the L2 cache
-        policy ``stream`` when ``evict_first``) into the next stage."""
-        ring.producer_acquire(producer)
-        barrier = ring.producer_get_barrier(producer)
-        cute.copy(tma_a, tAgA[(None, tile_m, k_tile)], tAsA[(None, producer.index)],
-                  tma_bar_ptr=barrier)
-        if evict_first:
-            cute.copy(tma_b, tBgB[(None, tile_n, k_tile)], tBsB[(None, producer.index)],
-                      tma_bar_ptr=barrier, cache_policy=stream)
-        else:
-            cute.copy(tma_b, tBgB[(None, tile_n, k_tile)], tBsB[(None, producer.index)],
-                      tma_bar_ptr=barrier)
-        ring.producer_commit(producer)
-
-    @cute.jit
     def partial_addr(self, mWork: cute.Tensor, slot: Int32, row: Int32, col: Int32) -> Int64:
         """Byte address of element (row, col) of workspace ``slot`` (a row-major fp32 tile)."""
         index = (Int64(slot) * self.bm + row) * self.bn + col
@@ -388,16 +413,6 @@ class StackedKvProjWgmma(StackedKvProjBase):
                         acc[2 * q + 1] = cutlass.select_(c == 0, hi,
                                                          du.add_rn(acc[2 * q + 1], hi))
         return last
-
-    @cute.jit
-    def mma_stage(self, ring, state, tiled_mma, acc, tCrA, tCrB, k_blocks: int) -> None:
-        """Wait for k-tile ``state`` to land, then issue its wgmmas as one commit group."""
-        ring.consumer_wait(state)
-        cute.nvgpu.warpgroup.fence()  # orders the accumulator register writes before wgmma
-        for kb in cutlass.range_constexpr(k_blocks):
-            coord = (None, None, kb, state.index)
-            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-        cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
     def epilogue(

@@ -1,0 +1,218 @@
+"""sm_90a stacked KV projection core with the operands swapped: the weight tile is the wgmma's
+A (its M: 64 weight rows per consumer warpgroup) and the token tile its B (its N: any multiple
+of 8 up to 256), so the token tile is sized to fill the SMs, not by the wgmma's M. The
+accumulators hold head dims along rows, so the epilogue runs from SMEM
+(:class:`~.staged.StagedEpilogue`)."""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from .. import dsl_utils as du
+from .base import StackedKvProjBase
+from .plan import SWAPPED_C_ROW_PAD, TileConfig
+from .staged import StagedEpilogue
+from .wgmma import (
+    CONSUMER_BARRIER,
+    CONSUMER_REGS,
+    PRODUCER_REGS,
+    WGMMA_SMEM_BUDGET,
+    WgmmaPipeline,
+)
+
+MAX_STAGES = 16
+
+
+class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
+    """sm_90a core for few weight tiles: ``weight_tile @ token_tile^T`` on wgmma, one tile per
+    CTA (the plan sizes the token tile so that the tiles fill the SMs in whole waves).
+
+    Warpgroup 0 is the producer: one thread issues the TMA loads of the weight's and the
+    tokens' k-tiles into an mbarrier ring (``PipelineTmaAsync``). Warpgroups 1.. are consumers,
+    one per 64 weight rows of the tile: ``wgmma`` m64nBMk16 from SMEM, one commit group in
+    flight. After the last k-tile the consumers stage the fp32 accumulators transposed, as
+    the ``[token, column]`` tile of the staged epilogue, in the drained ring (the producer
+    issues nothing after the last k-tile), and finish the rows from there. Tokens beyond T are
+    zero-filled by TMA and never stored."""
+
+    def __init__(self, num_layers: int, n_kv: int, head_dim: int, has_bias: bool,
+                 has_commit: bool, norm_dtype: type, tile: TileConfig) -> None:
+        bn = tile.columns(head_dim, n_kv * head_dim)
+        assert bn in (64, 128), "a swapped wgmma tile holds 64 or 128 weight rows"
+        self.consumer_warpgroups = bn // 64
+        super().__init__(num_layers, n_kv, head_dim, has_bias, has_commit, norm_dtype, tile,
+                         128 * (1 + self.consumer_warpgroups))
+        assert self.bm % 8 == 0 and self.bm <= 256, "the wgmma's N"
+        self.consumer_threads = 128 * self.consumer_warpgroups
+        self.stages = self.ring_stages(MAX_STAGES, WGMMA_SMEM_BUDGET)
+        self.init_staged_epilogue(self.consumer_threads, self.bn + SWAPPED_C_ROW_PAD)
+        assert self.bm * self.c_stride * 4 <= self.stages * (self.bm + self.bn) * self.bk * 2, (
+            "the staged tile fits in the ring")
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mW: cute.Tensor,
+        mBias: cute.Tensor | None,
+        mNormW: cute.Tensor,
+        eps: Float32,
+        mPos: cute.Tensor,
+        mCosSin: cute.Tensor,
+        mLoc: cute.Tensor,
+        mCommit: cute.Tensor | None,
+        width: Int32,
+        k_caches: tuple,
+        v_caches: tuple,
+        mWork: cute.Tensor,
+        mCount: cute.Tensor,
+        grid_ctas: Int32,
+        dp_tiles: Int32,
+        stream: cuda.CUstream,
+    ) -> None:
+        """``mWork``, ``mCount`` and ``dp_tiles`` are unused (the wgmma cores' one signature):
+        one CTA per tile, ``grid_ctas`` of them."""
+        mLoc = self.token_slots(mLoc)
+        k_major = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR  # both operands are [rows, H], H inner
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(),
+            Float32, (self.consumer_warpgroups, 1, 1), tiler_mn=(64, self.bm),
+        )
+        tile_mnk = (self.bn, self.bm, self.bk)  # the MMA's (M, N, K): weight rows, tokens
+        sW_layout = sm90_utils.make_smem_layout_a(k_major, tile_mnk, BFloat16, self.stages)
+        sX_layout = sm90_utils.make_smem_layout_b(k_major, tile_mnk, BFloat16, self.stages)
+        tma_w, tma_mW = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mW,
+            cute.slice_(sW_layout, (None, None, 0)), (self.bn, self.bk),
+        )
+        # DLPack may report stride 1 for a size-1 dim (T = 1); a TMA descriptor needs 16-byte
+        # strides, and any stride >= H describes a single row equally well.
+        row_stride = cutlass.max(mX.stride[0], Int64(mX.shape[1]))
+        mX_rows = cute.make_tensor(mX.iterator, cute.make_layout(mX.shape, stride=(row_stride, 1)))
+        tma_x, tma_mX = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mX_rows,
+            cute.slice_(sX_layout, (None, None, 0)), (self.bm, self.bk),
+        )
+
+        @cute.struct
+        class SharedStorage:
+            full_empty: cute.struct.MemRange[Int64, self.stages * 2]
+            # the staged fp32 tile reuses both (contiguous: sW is a multiple of 1 KiB)
+            sW: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sW_layout)], 1024]
+            sX: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sX_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            tma_w, tma_mW, tma_x, tma_mX, mBias, mNormW, eps, mPos, mCosSin, mLoc, mCommit,
+            width, k_caches, v_caches, sW_layout, sX_layout, tiled_mma,
+        ).launch(grid=[grid_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_w: cute.CopyAtom,
+        mW: cute.Tensor,
+        tma_x: cute.CopyAtom,
+        mX: cute.Tensor,
+        mBias: cute.Tensor | None,
+        mNormW: cute.Tensor,
+        eps: Float32,
+        mPos: cute.Tensor,
+        mCosSin: cute.Tensor,
+        mLoc: cute.Tensor,
+        mCommit: cute.Tensor | None,
+        width: Int32,
+        k_caches: tuple,
+        v_caches: tuple,
+        sW_layout: cute.ComposedLayout,
+        sX_layout: cute.ComposedLayout,
+        tiled_mma: cute.TiledMma,
+    ) -> None:
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
+        num_tokens = mLoc.shape[0]
+        tile_m, tile_n = self.tile_coords(bid, cute.ceil_div(num_tokens, self.bm))
+        k_tiles = mX.shape[1] // self.bk
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        ring = self.make_ring(storage.full_empty.data_ptr(), sW_layout, sX_layout)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sW = storage.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)
+        sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
+        gW = cute.local_tile(mW, (self.bn, self.bk), (None, None))  # (bn, bk, n tiles, k tiles)
+        gX = cute.local_tile(mX, (self.bm, self.bk), (None, None))  # (bm, bk, m tiles, k tiles)
+        tWsW, tWgW = cute.nvgpu.cpasync.tma_partition(
+            tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2)
+        )
+        tXsX, tXgX = cute.nvgpu.cpasync.tma_partition(
+            tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
+        )
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        warpgroup = cute.arch.make_warp_uniform(tidx // 128)
+        if warpgroup == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == 0:
+                producer = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.stages
+                )
+                operands = ((tma_w, tWgW, tWsW, tile_n, self.weight_evict_first(mX.shape[1])),
+                            (tma_x, tXgX, tXsX, tile_m, None))
+                stream = du.evict_first_policy()
+                for k_tile in cutlass.range(k_tiles, unroll=1):
+                    self.load_stage(ring, producer, operands, k_tile, stream)
+                    producer.advance()
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            ctid = tidx - 128  # thread index among the consumers
+            # The epilogue's row metadata, bias and norm weights, requested now: they land
+            # while the main loop runs.
+            rSlot, rPos, rCommitted, rCos, rSin, rBias, rNorm = self.epilogue_inputs(
+                mBias, mNormW, mPos, mLoc, mCommit, width, tile_m, tile_n, ctid)
+            wg_mma = tiled_mma.get_slice(ctid - ctid % 128)
+            tCrW = tiled_mma.make_fragment_A(wg_mma.partition_A(sW))
+            tCrX = tiled_mma.make_fragment_B(wg_mma.partition_B(sX))
+            acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bn, self.bm)),
+                                        Float32)
+            k_blocks = cute.size(tCrW, mode=[2])
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            release = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.stages
+            )
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            acc.fill(0.0)
+            self.mma_stage(ring, read, tiled_mma, acc, tCrW, tCrX, k_blocks)
+            read.advance()
+            for _k_tile in cutlass.range(1, k_tiles, unroll=1):
+                self.mma_stage(ring, read, tiled_mma, acc, tCrW, tCrX, k_blocks)
+                # Keep one wgmma group in flight; the one before it has retired, so its
+                # stage goes back to the producer.
+                cute.nvgpu.warpgroup.wait_group(1)
+                ring.consumer_release(release)
+                read.advance()
+                release.advance()
+            cute.nvgpu.warpgroup.wait_group(0)
+            # Every stage has landed and every wgmma has read its operands: the ring is free
+            # once all consumer warpgroups are here (the fence orders the async proxy's TMA
+            # writes and wgmma reads before the staging's generic writes).
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.consumer_threads)
+            sC = self.staged_tile(sW.iterator)
+            self.stage_fragment(tiled_mma, ctid, acc, sC, True)
+            _, first_column = self.tile_layer(tile_n)
+            self.rope_inputs(mCosSin, tile_m, first_column < self.kv, num_tokens, ctid, rSlot,
+                             rPos, rCommitted, rCos, rSin)
+            cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.consumer_threads)
+            self.epilogue(sC, eps, num_tokens, k_caches, v_caches, tile_m, tile_n, ctid, rSlot,
+                          rCommitted, rCos, rSin, rBias, rNorm, Int32(0), Int32(self.bm))
