@@ -12,8 +12,10 @@ layer's K or V block and owns whole heads. The modules:
 
 - :mod:`.plan` — core, tile and grid for a validated layout and a token count (no DSL);
 - :mod:`.base` — configuration, tile raster, row destinations and the epilogue arithmetic;
+- :mod:`.staged` — the SMEM-staged norm/RoPE/scatter epilogue of the two cores below it;
 - :mod:`.mma` — the portable ``cp.async`` + ``mma.sync`` core (every arch);
 - :mod:`.wgmma` — the sm_90a persistent, warp-specialised TMA + ``wgmma`` core;
+- :mod:`.wgmma_swap` — its swapped form (weight tile as the wgmma's M, tokens as its N);
 - :mod:`.interface` — validation, compile key, build, launch and the public op.
 """
 
