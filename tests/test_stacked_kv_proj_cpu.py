@@ -12,6 +12,7 @@ import torch
 from cute_kernels import LayoutError, check_stacked_kv_proj, stacked_kv_proj
 from cute_kernels import reference as ref
 from cute_kernels.stacked_kv_proj.plan import (
+    TILES,
     StackedLayout,
     StackedPlan,
     StackedVariant,
@@ -19,6 +20,7 @@ from cute_kernels.stacked_kv_proj.plan import (
     choose_splits,
     choose_tile,
     schedule,
+    variants_for,
 )
 from cute_kernels.testing import POISON, ulp_distance
 from cute_kernels.testing import compare_stacked as compare
@@ -752,3 +754,11 @@ def test_choose_splits(weight_tiles, tiles, k_tiles, sms, per_sm, gathered, expe
 def test_kernel_entry_requires_cuda():
     with pytest.raises(LayoutError, match="CUDA"):
         stacked_kv_proj(**_args("cpu"))
+
+
+def test_variants_of_a_layout_leave_out_what_it_cannot_build():
+    """Precompiling a D = 256 layout builds no swapped wgmma tile (none holds 256 rows)."""
+    tiles = {v.tile for v in variants_for("sm_90a", 256)}
+    assert "m64h" in tiles and not any(TILES[t].tokens_n for t in tiles)
+    assert {v.tile for v in variants_for("sm_90a", 128)} == {v.tile for v in
+                                                             variants_for("sm_90a")}

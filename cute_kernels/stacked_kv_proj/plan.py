@@ -140,16 +140,6 @@ SPLIT_IN_FLIGHT_BYTES = 8 << 20
 #: UTC), with the L2 clean 9.2 -> 9.5: below some size the write-back saved is less than what
 #: the policy costs, so its loads carry no hint.
 EVICT_FIRST_WEIGHT_BYTES = 12 << 20
-def check_tile_layout(head_dim: int, kv: int) -> None:
-    """Raise :class:`LayoutError` when ``CUTE_KERNELS_STACKED_TILE`` forces a swapped wgmma
-    tile on a layout whose whole-head tile has more weight rows than it holds (D = 256)."""
-    wanted = os.environ.get(TILE_ENV, "auto")
-    if (wanted in TILES and TILES[wanted].tokens_n
-            and tile_n(head_dim, kv) > SWAPPED_WGMMA_MAX_COLUMNS):
-        fail(TILE_ENV, f"a tile of at most {SWAPPED_WGMMA_MAX_COLUMNS} weight rows for D = "
-             f"{head_dim} (a swapped wgmma tile)", repr(wanted))
-
-
 #: Most K splits of a tile that form one cluster and hand their partials over through
 #: distributed shared memory (the portable cluster size); more go through the workspace.
 CLUSTER_MAX_SPLITS = 8
@@ -214,7 +204,8 @@ class StackedPlan:
 
 def tiles_for(impl: str) -> tuple[str, ...]:
     """Tile configs a core compiles: the mma core has no wide tile (its SMEM-staged epilogue
-    would need 135 KiB of fp32 C for 128 x 256), the swapped tiles are the mma core's."""
+    would need 135 KiB of fp32 C for 128 x 256), the swapped decode tiles are the mma core's,
+    the split-head and swapped wgmma tiles the wgmma core's."""
     if impl == "wgmma":
         return tuple(name for name, t in TILES.items() if not t.swap)
     return tuple(name for name, t in TILES.items()
@@ -333,6 +324,16 @@ def check_overrides(arch: str | None) -> None:
     ctas_cap()
     forced_splits()
     forced_handover()
+
+
+def check_tile_layout(head_dim: int, kv: int) -> None:
+    """Raise :class:`LayoutError` when ``CUTE_KERNELS_STACKED_TILE`` forces a swapped wgmma
+    tile on a layout whose whole-head tile has more weight rows than it holds (D = 256)."""
+    wanted = os.environ.get(TILE_ENV, "auto")
+    if (wanted in TILES and TILES[wanted].tokens_n
+            and tile_n(head_dim, kv) > SWAPPED_WGMMA_MAX_COLUMNS):
+        fail(TILE_ENV, f"a tile of at most {SWAPPED_WGMMA_MAX_COLUMNS} weight rows for D = "
+             f"{head_dim} (a swapped wgmma tile)", repr(wanted))
 
 
 #: Most CTAs that share one stream-K tile: bounds the partials its last contributor reads.
@@ -629,9 +630,13 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
     return StackedPlan(StackedVariant(impl, tile), stream_k, grid, dp_tiles)
 
 
-def variants_for(arch: str) -> list[StackedVariant]:
-    """Every variant a layout can need on ``arch`` (what :func:`cute_kernels.precompile`
-    builds)."""
-    return [StackedVariant(impl, tile) for impl in impls_for(arch) for tile in tiles_for(impl)] + [
-        StackedVariant("mma", tile, True) for tile in SWAP_TILES]
+def variants_for(arch: str, head_dim: int | None = None) -> list[StackedVariant]:
+    """Every variant a layout (of ``head_dim``, when given) can need on ``arch`` (what
+    :func:`cute_kernels.precompile` builds): no swapped wgmma tile for D = 256."""
+    def fits(tile: str) -> bool:
+        return not TILES[tile].tokens_n or head_dim is None or (
+            head_dim <= SWAPPED_WGMMA_MAX_COLUMNS)
+
+    return [StackedVariant(impl, tile) for impl in impls_for(arch) for tile in tiles_for(impl)
+            if fits(tile)] + [StackedVariant("mma", tile, True) for tile in SWAP_TILES]
 
