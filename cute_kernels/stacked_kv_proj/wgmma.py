@@ -35,6 +35,14 @@ class WgmmaPipeline:
     """The TMA ring and its producer's and consumers' stage steps, shared by both sm_90a cores
     (``stages`` and ``consumer_warpgroups`` set by the core)."""
 
+    @staticmethod
+    def token_rows(mX: cute.Tensor) -> cute.Tensor:
+        """``ctx_hidden`` as a TMA source. DLPack may report stride 1 for a size-1 dim
+        (T = 1); a TMA descriptor needs 16-byte strides, and any stride >= H describes a
+        single row equally well."""
+        row_stride = cutlass.max(mX.stride[0], Int64(mX.shape[1]))
+        return cute.make_tensor(mX.iterator, cute.make_layout(mX.shape, stride=(row_stride, 1)))
+
     def make_ring(self, barriers: cute.Pointer, sA_layout: cute.ComposedLayout,
                   sB_layout: cute.ComposedLayout) -> pipeline.PipelineTmaAsync:
         """The mbarrier ring of A and B stages (barriers at ``barriers``): one TMA thread
@@ -160,10 +168,7 @@ class StackedKvProjWgmma(WgmmaPipeline, StackedKvProjBase):
         tile_mnk = (self.bm, self.bn, self.bk)
         sA_layout = sm90_utils.make_smem_layout_a(k_major, tile_mnk, BFloat16, self.stages)
         sB_layout = sm90_utils.make_smem_layout_b(k_major, tile_mnk, BFloat16, self.stages)
-        # DLPack may report stride 1 for a size-1 dim (T = 1); a TMA descriptor needs 16-byte
-        # strides, and any stride >= H describes a single row equally well.
-        row_stride = cutlass.max(mX.stride[0], Int64(mX.shape[1]))
-        mX_rows = cute.make_tensor(mX.iterator, cute.make_layout(mX.shape, stride=(row_stride, 1)))
+        mX_rows = self.token_rows(mX)
         tma_a, tma_mA = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mX_rows,
             cute.slice_(sA_layout, (None, None, 0)), (self.bm, self.bk),

@@ -25,7 +25,7 @@ from .wgmma import (
     WgmmaPipeline,
 )
 
-MAX_STAGES = 16
+MAX_STAGES = 16  # ring depth cap (the small-N tiles: sw32 fits 11 stages in the budget)
 
 
 class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
@@ -90,10 +90,7 @@ class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mW,
             cute.slice_(sW_layout, (None, None, 0)), (self.bn, self.bk),
         )
-        # DLPack may report stride 1 for a size-1 dim (T = 1); a TMA descriptor needs 16-byte
-        # strides, and any stride >= H describes a single row equally well.
-        row_stride = cutlass.max(mX.stride[0], Int64(mX.shape[1]))
-        mX_rows = cute.make_tensor(mX.iterator, cute.make_layout(mX.shape, stride=(row_stride, 1)))
+        mX_rows = self.token_rows(mX)
         tma_x, tma_mX = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mX_rows,
             cute.slice_(sX_layout, (None, None, 0)), (self.bm, self.bk),
