@@ -66,6 +66,7 @@ def _stacked_kv_proj() -> int:
     from cute_kernels.stacked_kv_proj.plan import (
         HANDOVER_ENV,
         SCHEDULE_ENV,
+        SPLIT_SWAPPED_WGMMA_TILES,
         SPLITS_ENV,
         TILE_ENV,
         TILES,
@@ -76,9 +77,10 @@ def _stacked_kv_proj() -> int:
 
     arch = f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}a"
     # every tile of each core, with each schedule: the wgmma core's data-parallel and
-    # stream-K, the mma core's one CTA per tile and split K (3 CTAs per tile) with each
-    # hand-over of the partials
-    schedules = {"wgmma": ({SCHEDULE_ENV: "dp"}, {SCHEDULE_ENV: "streamk"}),
+    # stream-K, and the swapped wgmma tiles split (3 CTAs per tile, one cluster), the mma
+    # core's one CTA per tile and split K with each hand-over of the partials
+    schedules = {"wgmma": ({SCHEDULE_ENV: "dp"}, {SCHEDULE_ENV: "streamk"},
+                           {SCHEDULE_ENV: "dp", SPLITS_ENV: "3"}),
                  "mma": ({SPLITS_ENV: "1"}, {SPLITS_ENV: "3", HANDOVER_ENV: "workspace"},
                          {SPLITS_ENV: "3", HANDOVER_ENV: "cluster"})}
     calls = 0
@@ -88,6 +90,9 @@ def _stacked_kv_proj() -> int:
                 if (TILES[tile].split_head or TILES[tile].tokens_n) and schedule.get(
                         SCHEDULE_ENV) == "streamk":
                     continue  # a split-head plan is data-parallel only (check_overrides)
+                if (impl == "wgmma" and SPLITS_ENV in schedule
+                        and tile not in SPLIT_SWAPPED_WGMMA_TILES):
+                    continue  # the other wgmma tiles have no split variant
                 env = {"CUTE_KERNELS_STACKED_IMPL": impl, TILE_ENV: tile, **schedule}
                 os.environ.update(env)
                 case = stacked_kv_proj_case(37, 256, 2, 2, 128, "cuda", bias=True,

@@ -3,7 +3,10 @@ counts, next to the bare cuBLAS GEMM: the measurements behind the planner's cost
 (specs/stacked_kv_proj.md). GPU only.
 
     python -m perf.sweep_stacked [--tokens 1,16,64,256] [--layouts tp1,tp8]
-        [--configs m64/dp,sw80/dp,m64/streamk@66] [--json OUT] [--jobs 12]
+        [--configs m64/dp,sw80/dp,m64/streamk@66,sw64/dp:8] [--json OUT] [--jobs 12]
+
+A config is ``tile/schedule[@ctas][:splits]``: the splits of a swapped wgmma tile run as one
+cluster (the split variant).
 
 Every variant is compiled first, in parallel worker processes, into the disk cache; the timed
 process then loads them.
@@ -34,44 +37,47 @@ LAYOUTS = (
     Layout("4b-tp2", 2560, 5, 4, 128),
 )
 TOKENS = (1, 16, 64, 128, 256, 1024)
-# (tile, schedule, CTA cap): each tile both ways, and stream-K on fewer CTAs (fewer partials
-# per tile for small weights)
-CONFIGS = (*((tile, schedule, None) for tile in ("m64", "m128", "m128w")
+# (tile, schedule, CTA cap, splits): each tile both ways, and stream-K on fewer CTAs (fewer
+# partials per tile for small weights)
+CONFIGS = (*((tile, schedule, None, None) for tile in ("m64", "m128", "m128w")
              for schedule in ("dp", "streamk")),
-           ("m64", "streamk", 66), ("m64", "streamk", 33))
+           ("m64", "streamk", 66, None), ("m64", "streamk", 33, None))
 
 
-def _name(tile: str, schedule: str, ctas: int | None) -> str:
-    return f"{tile}/{schedule}" + ("" if ctas is None else f"@{ctas}")
+def _name(tile: str, schedule: str, ctas: int | None, splits: int | None) -> str:
+    return (f"{tile}/{schedule}" + ("" if ctas is None else f"@{ctas}")
+            + ("" if splits is None else f":{splits}"))
 
 
-def _parse_config(name: str) -> tuple[str, str, int | None]:
-    """``tile/schedule[@ctas]`` -> (tile, schedule, CTA cap)."""
+def _parse_config(name: str) -> tuple[str, str, int | None, int | None]:
+    """``tile/schedule[@ctas][:splits]`` -> (tile, schedule, CTA cap, splits)."""
     tile, _, rest = name.partition("/")
+    rest, _, splits = rest.partition(":")
     schedule, _, ctas = rest.partition("@")
-    return tile, schedule, int(ctas) if ctas else None
+    return tile, schedule, int(ctas) if ctas else None, int(splits) if splits else None
 
 
-def _compile(layout: Layout, tile: str) -> str:
+def _compile(layout: Layout, tile: str, cluster: bool) -> str:
     from cute_kernels.stacked_kv_proj.interface import KERNELS, StackedKvProjKey
     from cute_kernels.stacked_kv_proj.plan import StackedLayout, StackedVariant
 
     key = StackedKvProjKey(StackedLayout(layout.layers, layout.n_kv, layout.head_dim, False,
                                          False, "float32", "sm_90a"),
-                           StackedVariant("wgmma", tile))
+                           StackedVariant("wgmma", tile, cluster))
     KERNELS.get(key)
     return f"{layout.name} {tile}"
 
 
-def precompile(layouts, jobs: int, tiles=("m64", "m128", "m128w")) -> None:
-    """Compile every (layout, tile) into the disk cache in ``jobs`` processes."""
+def precompile(layouts, jobs: int, variants=(("m64", False), ("m128", False),
+                                             ("m128w", False))) -> None:
+    """Compile every (layout, (tile, split)) into the disk cache in ``jobs`` processes."""
     start = time.perf_counter()
     os.environ.setdefault("CUTE_KERNELS_ARCH", "sm_90a")
     import multiprocessing
 
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        pairs = [(lay, tile) for lay in layouts for tile in tiles]
-        done = list(pool.map(_compile, [lay for lay, _ in pairs], [tile for _, tile in pairs]))
+        jobs_args = [(lay, tile, cluster) for lay in layouts for tile, cluster in variants]
+        done = list(pool.map(_compile, *zip(*jobs_args, strict=True)))
     print(f"compiled {len(done)} variants in {time.perf_counter() - start:.0f} s", flush=True)
 
 
@@ -88,9 +94,9 @@ def main() -> None:
         _parse_config(name) for name in cli.configs.split(","))
     layouts = LAYOUTS if cli.layouts is None else tuple(
         lay for lay in LAYOUTS if lay.name in cli.layouts.split(","))
-    tiles = sorted({tile for tile, _, _ in configs})
+    variants = sorted({(tile, (splits or 1) > 1) for tile, _, _, splits in configs})
     tokens = TOKENS if cli.tokens is None else tuple(int(t) for t in cli.tokens.split(","))
-    precompile(layouts, cli.jobs, tiles)
+    precompile(layouts, cli.jobs, variants)
 
     from cute_kernels import stacked_kv_proj
     from cute_kernels.stacked_kv_proj.interface import plan_for_call
@@ -115,14 +121,17 @@ def main() -> None:
             row["auto"] = (f"{plan.variant.tile} {'sk' if plan.stream_k else 'dp'}"
                            f" {plan.grid}/{plan.dp_tiles}")
             row["auto_us"] = timer.cold_us(lambda a=args: stacked_kv_proj(*a))
-            for tile, schedule, ctas in configs:
+            for tile, schedule, ctas, splits in configs:
                 os.environ["CUTE_KERNELS_STACKED_TILE"] = tile
                 os.environ["CUTE_KERNELS_STACKED_SCHEDULE"] = schedule
                 if ctas is not None:
                     os.environ["CUTE_KERNELS_STACKED_CTAS"] = str(ctas)
-                row[_name(tile, schedule, ctas)] = timer.cold_us(
+                if splits is not None:
+                    os.environ["CUTE_KERNELS_STACKED_SPLITS"] = str(splits)
+                row[_name(tile, schedule, ctas, splits)] = timer.cold_us(
                     lambda a=args: stacked_kv_proj(*a))
                 os.environ.pop("CUTE_KERNELS_STACKED_CTAS", None)
+                os.environ.pop("CUTE_KERNELS_STACKED_SPLITS", None)
             os.environ.pop("CUTE_KERNELS_STACKED_TILE")
             os.environ.pop("CUTE_KERNELS_STACKED_SCHEDULE")
             rows.append(row)

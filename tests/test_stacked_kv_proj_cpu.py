@@ -465,6 +465,22 @@ OVERRIDE_REJECTIONS = {  # name -> (environment, fragments)
                                             CUTE_KERNELS_STACKED_TILE="sw80",
                                             CUTE_KERNELS_STACKED_SCHEDULE="streamk"),
                                        ("CUTE_KERNELS_STACKED_SCHEDULE", "dp")),
+    "swapped_wgmma_split_at_most_a_cluster": (dict(CUTE_KERNELS_ARCH="sm_90a",
+                                                   CUTE_KERNELS_STACKED_TILE="sw32",
+                                                   CUTE_KERNELS_STACKED_SPLITS="9"),
+                                              ("CUTE_KERNELS_STACKED_SPLITS", "at most 8",
+                                               "sw32", "'9'")),
+    "swapped_wgmma_split_in_its_cluster": (dict(CUTE_KERNELS_ARCH="sm_90a",
+                                                CUTE_KERNELS_STACKED_TILE="sw32",
+                                                CUTE_KERNELS_STACKED_SPLITS="4",
+                                                CUTE_KERNELS_STACKED_HANDOVER="workspace"),
+                                           ("CUTE_KERNELS_STACKED_HANDOVER", "cluster",
+                                            "'workspace'")),
+    "swapped_wgmma_split_tiles": (dict(CUTE_KERNELS_ARCH="sm_90a",
+                                       CUTE_KERNELS_STACKED_TILE="sw48",
+                                       CUTE_KERNELS_STACKED_SPLITS="2"),
+                                  ("CUTE_KERNELS_STACKED_TILE", "one of sw32 with",
+                                   "'sw48'")),
     # no arch on meta / CPU tensors: a value that no arch accepts is still rejected
     "unknown_impl_without_arch": (dict(CUTE_KERNELS_STACKED_IMPL="bogus"),
                                   ("CUTE_KERNELS_STACKED_IMPL", "wgmma", "'bogus'")),
@@ -477,6 +493,9 @@ OVERRIDE_REJECTIONS = {  # name -> (environment, fragments)
     "split_head_is_data_parallel_without_arch": (dict(CUTE_KERNELS_STACKED_TILE="m64h",
                                                       CUTE_KERNELS_STACKED_SCHEDULE="streamk"),
                                                  ("CUTE_KERNELS_STACKED_SCHEDULE", "dp")),
+    "swapped_wgmma_split_at_most_a_cluster_without_arch": (
+        dict(CUTE_KERNELS_STACKED_TILE="sw32", CUTE_KERNELS_STACKED_SPLITS="12"),
+        ("CUTE_KERNELS_STACKED_SPLITS", "at most 8", "'12'")),
 }
 
 
@@ -582,7 +601,6 @@ COST_MODEL_CHOICES = [
     ("tp1", 5, 8, 128, 4096, 64, "m64", 1),  # 35.0 against 52.8 (320 swapped tiles)
     ("tp2", 5, 4, 128, 4096, 32, "swap16", 2),  # 22.5 against m64h's 22.7
     ("tp2", 5, 4, 128, 4096, 64, "m64h", 1),  # 22.0 against m64's 23.5
-    ("tp8", 5, 1, 128, 4096, 64, "swap16", 6),  # 14.3 (6 splits) against 18.1
     ("tp8", 5, 1, 128, 4096, 256, "m64h", 1),  # 15.9 against m64's 18.2
     ("1layer", 1, 8, 128, 4096, 128, "m64h", 1),  # 16.0 against swap16's 20.3
     ("d256", 2, 1, 256, 5120, 256, "m64h", 1),  # 20.9 against swap16's 23.6
@@ -596,6 +614,14 @@ COST_MODEL_CHOICES = [
     ("1layer", 1, 8, 128, 4096, 1024, "sw128", 1),  # 30.9 against m128's 32.1
     ("d64", 3, 4, 64, 4096, 1024, "sw96", 1),  # 24.4 against m128's 29.1
     ("d256", 2, 1, 256, 5120, 1024, "m64h", 1),  # no swapped wgmma tile holds 256 rows
+    # the split swapped wgmma tile, on at most 80 CTAs (H200, 2026-12-02 20:00 UTC, cold us,
+    # against the plan before it)
+    ("tp8", 5, 1, 128, 4096, 64, "sw32", 4),  # 13.1 against swap16's 14.3 (6 splits)
+    ("1layer", 1, 8, 128, 4096, 64, "sw32", 2),  # 14.7 against m64h's 15.3
+    ("d64", 3, 4, 64, 4096, 64, "sw32", 3),  # 13.3 against m64h's 14.6
+    ("small", 1, 1, 128, 2048, 256, "sw32", 5),  # 16 tiles: 6 / 4 splits 9.7 / 10.1, m64h 10.8
+    ("tp2", 5, 4, 128, 4096, 64, "m64h", 1),  # 80 tiles: no split (2 splits 27.7 against 19.3)
+    ("tp8", 5, 1, 128, 4096, 16, "swap16", 8),  # T <= 16: the mma core's split, 10.4 / 11.3
 ]
 
 
@@ -716,6 +742,22 @@ def test_split_hand_over(monkeypatch):
     monkeypatch.setenv("CUTE_KERNELS_STACKED_HANDOVER", "dsmem")
     with pytest.raises(LayoutError, match="CUTE_KERNELS_STACKED_HANDOVER: expected one of"):
         choose_plan(layout, 1, 4096, 132)
+
+
+def test_forced_swapped_wgmma_split(monkeypatch):
+    """A swapped wgmma tile with a forced split runs its split variant: the tile's CTAs one
+    cluster, never more splits than k-tiles; unsplit, one CTA per tile."""
+    monkeypatch.setenv("CUTE_KERNELS_STACKED_TILE", "sw32")
+    assert choose_plan(DRAFTER_TP8, 64, 4096, 132) == StackedPlan(
+        StackedVariant("wgmma", "sw32"), False, 20, 20)
+    monkeypatch.setenv("CUTE_KERNELS_STACKED_SPLITS", "8")
+    assert choose_plan(DRAFTER_TP8, 64, 4096, 132) == StackedPlan(
+        StackedVariant("wgmma", "sw32", cluster=True), False, 160, 20, 8)
+    # 100 tokens: four token tiles per weight tile; H 256: 4 k-tiles, so 4 splits
+    assert choose_plan(DRAFTER_TP8, 100, 256, 132) == StackedPlan(
+        StackedVariant("wgmma", "sw32", cluster=True), False, 160, 40, 4)
+    monkeypatch.setenv("CUTE_KERNELS_STACKED_SPLITS", "1")
+    assert choose_plan(DRAFTER_TP8, 64, 4096, 132).variant.cluster is False
 
 
 def test_mma_core_has_no_stream_k(monkeypatch):

@@ -249,6 +249,30 @@ def test_split_k(case_args, handover, monkeypatch):
                                 SPLITS_ENV: splits}, layout, commit_every=5)
 
 
+SWAPPED_SPLIT_CASES = [  # (tokens, H, L, n_kv, D, tile, splits): a swapped wgmma tile split
+    (1, 4096, 5, 1, 128, "sw32", 8),  # a TP-8 decode step: 10 weight tiles x 8 splits
+    (64, 4096, 1, 8, 128, "sw32", 8),  # one layer: 2 x 16 tiles x 8 (two waves)
+    (16, 448, 2, 2, 128, "sw32", 3),  # H 448: 7 k-tiles in 3 uneven ranges
+    (5, 128, 2, 2, 128, "sw32", 4),  # 2 k-tiles: fewer than the split (capped at 2)
+    (100, 1024, 2, 2, 64, "sw32", 6),  # D 64, two heads a tile; 4 token tiles, the last partial
+    (256, 2048, 5, 1, 128, "sw32", 7),  # 8 token tiles, 4-5 rows a rank
+    (3, 1024, 1, 1, 64, "sw32", 2),  # kv 64: one consumer warpgroup; 1 and 2 rows a rank
+    (40, 2560, 1, 1, 128, "sw32", 5),  # one weight tile, two token tiles
+]
+
+
+@pytest.mark.parametrize("case_args", SWAPPED_SPLIT_CASES, ids=str)
+def test_swapped_wgmma_split(case_args, monkeypatch):
+    """The swapped wgmma tiles split along K in a cluster, forced on small and odd layouts:
+    each CTA sums its slice of the rows of every partial through DSMEM, in split order, and
+    finishes it; skipped rows untouched."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the swapped wgmma tiles are the wgmma core's (sm_90a)")
+    *layout, tile, splits = case_args
+    _check_forced(monkeypatch, {IMPL_ENV: "wgmma", TILE_ENV: tile, SPLITS_ENV: splits},
+                  layout, commit_every=5)
+
+
 @pytest.mark.parametrize(("tokens", "splits"), [(1, 8), (16, 5), (40, 3)])
 def test_hand_overs_agree_bitwise(tokens, splits, monkeypatch):
     """Both hand-overs sum the same partials in the same order: identical bytes."""
@@ -270,7 +294,8 @@ SCHEDULES = {"dp": {SCHEDULE_ENV: "dp"}, "streamk": {SCHEDULE_ENV: "streamk"},
              "splitk": {IMPL_ENV: "mma", TILE_ENV: "swap16", SPLITS_ENV: "7",
                         HANDOVER_ENV: "workspace"},
              "splitk-cluster": {IMPL_ENV: "mma", TILE_ENV: "swap16", SPLITS_ENV: "7",
-                                HANDOVER_ENV: "cluster"}}
+                                HANDOVER_ENV: "cluster"},
+             "swapped-wgmma-split": {IMPL_ENV: "wgmma", TILE_ENV: "sw32", SPLITS_ENV: "7"}}
 
 
 @pytest.mark.parametrize("n_kv", [1, 2])  # a 10 MiB weight, and a 20 MiB one: evict-first loads
@@ -324,6 +349,16 @@ def test_cuda_graph_replay_of_a_decode_split(handover, monkeypatch):
     """A TP-8 decode step (10 weight tiles split 8 ways) captured once and replayed with
     mutated inputs: the workspace counters return to zero, the clusters need none."""
     monkeypatch.setenv(HANDOVER_ENV, handover)
+    _check_graph_replay(make_case(7, 4096, 5, 1, 128, "cuda", commit=True, bias=True,
+                                  seed=22))
+
+
+def test_cuda_graph_replay_of_a_swapped_wgmma_split(monkeypatch):
+    """The same TP-8 decode step on the swapped wgmma tile split 8 ways in clusters."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the swapped wgmma tiles are the wgmma core's (sm_90a)")
+    monkeypatch.setenv(TILE_ENV, "sw32")
+    monkeypatch.setenv(SPLITS_ENV, "8")
     _check_graph_replay(make_case(7, 4096, 5, 1, 128, "cuda", commit=True, bias=True,
                                   seed=22))
 

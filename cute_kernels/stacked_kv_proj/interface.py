@@ -99,9 +99,10 @@ def _build(key: StackedKvProjKey):
     if variant.tile not in tiles_for(variant.impl):
         raise LayoutError(f"tile: expected one of {tiles_for(variant.impl)} for the {variant.impl} "
                           f"core, got {variant.tile}")
-    if variant.cluster and variant.impl != "mma":
-        raise LayoutError(f"cluster: expected the cluster hand-over on the mma core only, got "
-                          f"the {variant.impl} core")
+    if variant.cluster and variant.impl != "mma" and not TILES[variant.tile].tokens_n:
+        raise LayoutError(f"cluster: expected the cluster hand-over on the mma core or a "
+                          f"swapped wgmma tile only, got {variant.tile} on the {variant.impl} "
+                          f"core")
     d = layout.head_dim
     n_total = layout.columns
     norm_dtype = du.DSL_DTYPES[NORM_DTYPES[layout.norm_dtype]]
@@ -139,7 +140,7 @@ def _build(key: StackedKvProjKey):
             raise LayoutError(f"tile: expected a tile of whole heads for D = {d} (a swapped "
                               f"wgmma tile holds at most {SWAPPED_WGMMA_MAX_COLUMNS} weight "
                               f"rows), got {variant.tile}")
-        kernel = StackedKvProjWgmmaSwap(*core_args)
+        kernel = StackedKvProjWgmmaSwap(*core_args, variant.cluster)
     else:
         kernel = StackedKvProjWgmma(*core_args)
     # the split-K / stream-K workspace and counters, then the wgmma core's grid and DP tiles,
@@ -327,10 +328,14 @@ def _planned(layout: StackedLayout, plan: StackedPlan, args: tuple) -> Callable[
     tile = TILES[plan.variant.tile]
     slot_floats = tile.bm * tile.columns(layout.head_dim, layout.kv)
     index = device_index(device)
-    if plan.variant.impl == "wgmma":  # two stream-K slots per CTA, a counter per tile
-        handover = not tile.tokens_n  # (a swapped wgmma plan: one CTA per tile)
-        workspace = (2 * plan.grid * slot_floats, 2 * plan.grid) if handover else (4, 1)
-        grid_args: tuple = (plan.grid, plan.dp_tiles)
+    if tile.tokens_n:  # a swapped wgmma plan: one CTA per tile or split, its grid and split
+        handover = False
+        workspace = (4, 1)
+        grid_args: tuple = (plan.grid, plan.splits)
+    elif plan.variant.impl == "wgmma":  # two stream-K slots per CTA, a counter per tile
+        handover = True
+        workspace = (2 * plan.grid * slot_floats, 2 * plan.grid)
+        grid_args = (plan.grid, plan.dp_tiles)
     else:  # a slot per CTA of a tile split over the workspace, a counter per tile
         handover = plan.splits > 1 and not plan.variant.cluster
         workspace = (plan.grid * slot_floats, plan.dp_tiles) if handover else (4, 1)

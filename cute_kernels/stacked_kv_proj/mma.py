@@ -14,7 +14,7 @@ from cutlass import BFloat16, Boolean, Float32, Int32, Int64, const_expr
 
 from .. import dsl_utils as du
 from .base import StackedKvProjBase
-from .plan import C_ROW_PAD, CLUSTER_MAX_SPLITS, TileConfig, gather_bytes, ring_bytes, swap_ring
+from .plan import C_ROW_PAD, TileConfig, gather_bytes, ring_bytes, swap_ring
 from .staged import CHUNK, StagedEpilogue
 
 SMEM_BUDGET = 200 * 1024  # bytes of A/B ring per CTA (227 KiB is the sm_90/sm_100 maximum)
@@ -207,48 +207,6 @@ class StackedKvProjMma(StagedEpilogue, StackedKvProjBase):
         if const_expr(self.cluster):
             if splits > 1:
                 cute.arch.cluster_wait()  # the peers' reads of this CTA's partial are done
-
-    @cute.jit
-    def reduce_cluster(self, sC: cute.Tensor, rank: Int32, splits: Int32, rows_valid: Int32,
-                       tidx: Int32) -> tuple[Int32, Int32]:
-        """The DSMEM hand-over of a tile whose ``splits`` CTAs are one cluster, each with its
-        partial staged in ``sC``: this CTA (rank ``rank``) sums rows ``[lo, hi)``, its
-        ``1/splits`` of the ``rows_valid`` valid rows, of every partial in split order into
-        its own ``sC`` and returns ``(lo, hi)``, the rows it finishes. The slices are
-        disjoint, so no CTA writes rows another reads. Ends with this CTA's arrival on the
-        second cluster barrier (its reads of the peers are done); the caller waits on it
-        before exiting, so every partial outlives its readers.
-
-        Thread ``t`` sums the 16-byte chunks ``t, t + threads, ...`` of the slice: one
-        ``ld.shared::cluster`` per partial, all ``CLUSTER_MAX_SPLITS`` issued before the first
-        add (ranks past ``splits`` repeat the last and are not added), so one DSMEM round
-        trip per chunk where the workspace hand-over costs a store, a release, an atomic and
-        a gather."""
-        cute.arch.cluster_arrive()  # release: this CTA's partial is staged
-        cute.arch.cluster_wait()  # acquire: every partial of the tile is
-        row_lo = rank * rows_valid // splits
-        row_hi = (rank + 1) * rows_valid // splits
-        vectors = self.bn // 4  # 16-byte chunks per row
-        c_base = Int32(sC.iterator.toint())
-        last = splits - 1
-        for q in cutlass.range(tidx, (row_hi - row_lo) * vectors, self.threads, unroll=1):
-            row = q // vectors
-            at = c_base + ((row_lo + row) * self.c_stride + (q - row * vectors) * 4) * 4
-            parts = []
-            for p in cutlass.range_constexpr(CLUSTER_MAX_SPLITS):
-                parts.append(du.load_peer_v4(at, cutlass.min(Int32(p), last)))
-            s0, s1, s2, s3 = parts[0]
-            for p in cutlass.range_constexpr(1, CLUSTER_MAX_SPLITS):
-                adds = p < splits
-                p0, p1, p2, p3 = parts[p]
-                s0 = cutlass.select_(adds, du.add_rn(s0, p0), s0)
-                s1 = cutlass.select_(adds, du.add_rn(s1, p1), s1)
-                s2 = cutlass.select_(adds, du.add_rn(s2, p2), s2)
-                s3 = cutlass.select_(adds, du.add_rn(s3, p3), s3)
-            du.store_shared_v4(at, s0, s1, s2, s3)
-        cute.arch.sync_threads()  # the epilogue reads sC with another mapping
-        cute.arch.cluster_arrive()  # this CTA has read its peers' partials
-        return row_lo, row_hi
 
     @cute.jit
     def reduce_splits(self, sC: cute.Tensor, sLast: cute.Tensor, mWork: cute.Tensor,

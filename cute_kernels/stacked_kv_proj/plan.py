@@ -119,6 +119,18 @@ SWAPPED_WGMMA_MIN_TOKENS = 33
 #: Most weight rows (columns of the stacked output) of a swapped wgmma tile: two consumer
 #: warpgroups of m64.
 SWAPPED_WGMMA_MAX_COLUMNS = 128
+#: The swapped wgmma tiles that also compile split along K (``StackedVariant.cluster``): a
+#: tile's K ranges on the CTAs of one cluster, partials summed through DSMEM. Only sw32: a
+#: CTA's MMA work is ``2 N 128 H / S`` whatever T, and one SM's tensor pipe makes larger N
+#: slower at every decode size measured (H200, 2026-12-02 20:00 UTC, cold us, TP 8, T = 1,
+#: 8 splits: sw32 10.9, sw64 11.7, sw128 14.3; T = 64, best split: sw32 13.1, sw64 13.7,
+#: sw128 15.6, sw256 26+; specs/stacked_kv_proj.md).
+SPLIT_SWAPPED_WGMMA_TILES = ("sw32",)
+#: Most CTAs of the split swapped plan: the best split measured on at most 80 CTAs in every
+#: layout where it won (TP 8, T = 64 on 20 tiles: 3 / 4 / 6 / 8 splits 13.1 / 13.1 / 17.4 /
+#: 16.7 us; one layer, T = 64 on 32 tiles: 2 / 3 / 4 splits 14.7 / 15.2 / 20.5; H 2048 x 1 x
+#: 1 x 128, T = 256 on 16 tiles: 4 / 6 / 8 splits 10.1 / 9.7 / 12.7).
+SPLIT_SWAPPED_MAX_CTAS = 80
 TILES = {t.name: t for t in (TILE_SMALL, TILE_MEDIUM, TILE_WIDE, TILE_SWAP, TILE_SPLIT_HEAD,
                              *TILES_SWAPPED_WGMMA)}
 SWAP_TILES = tuple(name for name, t in TILES.items() if t.swap)
@@ -186,8 +198,9 @@ class StackedVariant:
 
     impl: str  # "wgmma" (TMA + wgmma, sm_90a only) | "mma" (cp.async + mma.sync, every arch)
     tile: str  # a TILES name
-    # mma core, split K: the splits of a tile are one cluster and hand their partials over
-    # through distributed shared memory (else through the global workspace)
+    # split K, the mma core or a swapped wgmma tile: the splits of a tile are one cluster and
+    # hand their partials over through distributed shared memory (else, mma core only,
+    # through the global workspace)
     cluster: bool = False
 
 
@@ -199,7 +212,7 @@ class StackedPlan:
     stream_k: bool  # the tiles past dp_tiles are split over the grid along K
     grid: int  # CTAs launched (mma core: tiles x splits)
     dp_tiles: int  # tiles run data-parallel, a multiple of the grid (all of them without SK)
-    splits: int = 1  # mma core: CTAs per tile, each a contiguous range of its k-tiles
+    splits: int = 1  # mma core, swapped wgmma tiles: CTAs per tile, each a k-tile range
 
 
 def tiles_for(impl: str) -> tuple[str, ...]:
@@ -322,8 +335,19 @@ def check_overrides(arch: str | None) -> None:
         fail(SCHEDULE_ENV, f"auto or dp with {TILE_ENV}={tile} (a split-head or swapped "
              "wgmma plan is data-parallel)", repr(schedule))
     ctas_cap()
-    forced_splits()
-    forced_handover()
+    splits = forced_splits() or 1
+    handover = forced_handover()
+    if tile != "auto" and TILES[tile].tokens_n and splits > 1:
+        if tile not in SPLIT_SWAPPED_WGMMA_TILES:
+            fail(TILE_ENV, f"one of {', '.join(SPLIT_SWAPPED_WGMMA_TILES)} with {SPLITS_ENV} > "
+                 "1 (the swapped wgmma tiles compiled split)", repr(tile))
+        if splits > CLUSTER_MAX_SPLITS:
+            fail(SPLITS_ENV, f"at most {CLUSTER_MAX_SPLITS} with {TILE_ENV}={tile} (a swapped "
+                 "wgmma tile's splits are one cluster)", repr(os.environ[SPLITS_ENV]))
+        if handover == "workspace":
+            fail(HANDOVER_ENV, f"auto or cluster with {TILE_ENV}={tile} and {SPLITS_ENV} > 1 "
+                 "(a swapped wgmma tile hands its partials over in its cluster)",
+                 repr(handover))
 
 
 def check_tile_layout(head_dim: int, kv: int) -> None:
@@ -568,6 +592,34 @@ def swap_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
     return plan, estimate_us
 
 
+def swapped_split_plan(layout: StackedLayout, tokens: int, hidden: int,
+                       residency: ClusterResidency) -> StackedPlan | None:
+    """The split swapped wgmma plan of a decode call, or None where it is not the plan: sw32
+    tiles, each split into ``S`` K ranges on one cluster, ``S`` as large as
+    ``SPLIT_SWAPPED_MAX_CTAS`` CTAs allow (at most ``CLUSTER_MAX_SPLITS``, the k-tiles, and
+    what is resident at once), planned for ``SWAPPED_WGMMA_MIN_TOKENS <= T <=
+    SWAP_MAX_TOKENS`` when that gives at least two splits. So it runs for the layouts of at
+    most 40 weight tiles per token tile, where the other plans leave most SMs idle; measured
+    against the plan before it (H200, 2026-12-02 20:00 UTC, cold us): TP 8, T = 64, 13.1
+    against 14.3; one layer, T = 64, 14.7 against 15.3; D = 64 (H 4096, L 3, n_kv 4), T = 64,
+    13.3 against 14.6; H 2048 x 1 x 1 x 128, T = 64 / 128 / 256, 8.4 / 8.7 / 9.9 against 10.7
+    / 10.6 / 10.8; TP 4, T = 64 and TP 8, T = 128 within 0.2. At T <= 16 the mma core's split
+    plan measured faster in every layout (TP 8, T = 1: 10.2 against 10.9), at T = 17..32 it
+    was not measured."""
+    config = TILES[SPLIT_SWAPPED_WGMMA_TILES[0]]
+    if (not SWAPPED_WGMMA_MIN_TOKENS <= tokens <= SWAP_MAX_TOKENS
+            or config.columns(layout.head_dim, layout.kv) > SWAPPED_WGMMA_MAX_COLUMNS):
+        return None
+    tiles = tile_count(tokens, layout, config)
+    splits = min(CLUSTER_MAX_SPLITS, hidden // STACKED_K_TILE, SPLIT_SWAPPED_MAX_CTAS // tiles)
+    while splits > 1 and tiles * splits > residency(splits, 1):
+        splits -= 1
+    if splits < 2:
+        return None
+    return StackedPlan(StackedVariant("wgmma", config.name, True), False, tiles * splits, tiles,
+                       splits)
+
+
 def wgmma_dp_estimate_us(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
                          tile: str) -> float:
     """Estimated cold time of the wgmma core's data-parallel plan with ``tile``."""
@@ -601,6 +653,10 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
     # a forced stream-K schedule takes a whole-head tile (the split-head plan is data-parallel)
     tile = choose_tile(tokens, impl, layout.num_layers, layout.n_kv, layout.head_dim, ctas,
                        data_parallel=wanted != "streamk")
+    if not overridden and impl == "wgmma" and forced_splits() is None:
+        plan = swapped_split_plan(layout, tokens, hidden, residency)
+        if plan is not None:
+            return plan
     if not overridden and tokens <= SWAP_MAX_TOKENS:
         plan, estimate_us = swap_plan(layout, tokens, hidden, ctas, residency)
         # no other core to weigh it against on an arch without wgmma: taken when it fits
@@ -612,8 +668,10 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
     tiles = tile_count(tokens, layout, config)
     if impl == "mma":
         return split_plan(layout, tile, tokens, hidden, ctas, residency, forced_handover())
-    if config.tokens_n:  # one CTA per tile (check_overrides: never stream-K)
-        return StackedPlan(StackedVariant(impl, tile), False, tiles, tiles)
+    if config.tokens_n:  # one CTA per tile or split (check_overrides: never stream-K)
+        splits = min(forced_splits() or 1, hidden // STACKED_K_TILE)
+        return StackedPlan(StackedVariant(impl, tile, splits > 1), False, tiles * splits, tiles,
+                           splits)
     if config.split_head:  # data-parallel (check_overrides), on whole 2-CTA clusters
         # an even grid keeps a head's two halves in one cluster; no more clusters than are
         # resident at once (a cluster cannot span GPCs), so none waits for a second wave
@@ -637,6 +695,9 @@ def variants_for(arch: str, head_dim: int | None = None) -> list[StackedVariant]
         return not TILES[tile].tokens_n or head_dim is None or (
             head_dim <= SWAPPED_WGMMA_MAX_COLUMNS)
 
-    return [StackedVariant(impl, tile) for impl in impls_for(arch) for tile in tiles_for(impl)
-            if fits(tile)] + [StackedVariant("mma", tile, True) for tile in SWAP_TILES]
+    split_swapped = [StackedVariant("wgmma", tile, True) for tile in SPLIT_SWAPPED_WGMMA_TILES
+                     if "wgmma" in impls_for(arch) and fits(tile)]
+    return ([StackedVariant(impl, tile) for impl in impls_for(arch) for tile in tiles_for(impl)
+             if fits(tile)] + [StackedVariant("mma", tile, True) for tile in SWAP_TILES]
+            + split_swapped)
 

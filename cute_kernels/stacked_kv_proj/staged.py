@@ -16,6 +16,7 @@ from cutlass import BFloat16, Boolean, Float32, Int32, Int64, Uint32, const_expr
 
 from .. import dsl_utils as du
 from .base import neox_rotate, r1, r2
+from .plan import CLUSTER_MAX_SPLITS
 
 CHUNK = 8  # columns per thread per half head in the epilogue (one 16-byte bf16 vector)
 
@@ -24,19 +25,30 @@ class StagedEpilogue:
     """Mixin of a :class:`~.base.StackedKvProjBase` core: the epilogue over a staged fp32
     ``[bm tokens, bn columns]`` SMEM tile (row stride ``c_stride`` floats)."""
 
-    def init_staged_epilogue(self, threads: int, c_stride: int) -> None:
+    def init_staged_epilogue(self, threads: int, c_stride: int,
+                             barrier_id: int | None = None) -> None:
         """The epilogue's thread mapping over ``threads`` threads: ``lanes_per_head`` threads
         per (row, head), the tile's heads next, rows last (``row_step`` rows apart); each
         thread keeps its columns for every row it handles. A tile of fewer rows than a step,
         or not a multiple of it, gives the extra thread rows row ``bm - 1`` again, stored by
-        none."""
+        none. ``barrier_id``: the named barrier of those threads when they are not the whole
+        CTA (None: they are)."""
         self.epilogue_threads = threads
+        self.epilogue_barrier_id = barrier_id
         self.lanes_per_head = self.head_dim // (2 * CHUNK)
         self.row_step = threads // (self.lanes_per_head * self.heads_per_tile)
         assert self.row_step >= 1
         self.rows_per_thread = -(-self.bm // self.row_step)
         self.c_stride = c_stride
         assert c_stride % 4 == 0, "16-byte rows of the staged tile"
+
+    def sync_epilogue_threads(self) -> None:
+        """A barrier of the epilogue's threads (the CTA's, or their named one)."""
+        if const_expr(self.epilogue_barrier_id is None):
+            cute.arch.sync_threads()
+        else:
+            cute.arch.barrier(barrier_id=self.epilogue_barrier_id,
+                              number_of_threads=self.epilogue_threads)
 
     def staged_tile(self, smem: cute.Pointer) -> cute.Tensor:
         """The ``[bm, bn]`` fp32 tile staged at ``smem`` (the drained ring)."""
@@ -53,6 +65,51 @@ class StagedEpilogue:
             sC_mma = cute.make_tensor(sC.iterator, cute.make_layout(
                 (self.bn, self.bm), stride=(1, self.c_stride)))
         cute.autovec_copy(frag, tiled_mma.get_slice(thread).partition_C(sC_mma))
+
+    @cute.jit
+    def reduce_cluster(self, sC: cute.Tensor, rank: Int32, splits: Int32, rows_valid: Int32,
+                       tidx: Int32) -> tuple[Int32, Int32]:
+        """The DSMEM hand-over of a tile whose ``splits`` CTAs (K ranges) are one cluster,
+        each with its partial staged in ``sC``: this CTA (rank ``rank``) sums rows ``[lo,
+        hi)``, its ``1/splits`` of the ``rows_valid`` valid rows, of every partial in split
+        order ``((p0 + p1) + p2) + ...`` (fixed: bitwise the same run to run) into its own
+        ``sC`` and returns ``(lo, hi)``, the rows it finishes. The slices are disjoint, so no
+        CTA writes rows another reads. Every thread of the CTA takes part in both cluster
+        barriers (the epilogue's threads here; any others must arrive, wait and arrive
+        too): the first says every partial is staged, the second (arrived here, waited on
+        by the caller before exiting) that this CTA has read its peers', so every partial
+        outlives its readers.
+
+        Epilogue thread ``t`` sums the 16-byte chunks ``t, t + threads, ...`` of the slice:
+        one ``ld.shared::cluster`` per partial, all ``CLUSTER_MAX_SPLITS`` issued before the
+        first add (ranks past ``splits`` repeat the last and are not added), so one DSMEM
+        round trip per chunk."""
+        cute.arch.cluster_arrive()  # release: this CTA's partial is staged
+        cute.arch.cluster_wait()  # acquire: every partial of the tile is
+        row_lo = rank * rows_valid // splits
+        row_hi = (rank + 1) * rows_valid // splits
+        vectors = self.bn // 4  # 16-byte chunks per row
+        c_base = Int32(sC.iterator.toint())
+        last = splits - 1
+        for q in cutlass.range(tidx, (row_hi - row_lo) * vectors, self.epilogue_threads,
+                               unroll=1):
+            row = q // vectors
+            at = c_base + ((row_lo + row) * self.c_stride + (q - row * vectors) * 4) * 4
+            parts = []
+            for p in cutlass.range_constexpr(CLUSTER_MAX_SPLITS):
+                parts.append(du.load_peer_v4(at, cutlass.min(Int32(p), last)))
+            s0, s1, s2, s3 = parts[0]
+            for p in cutlass.range_constexpr(1, CLUSTER_MAX_SPLITS):
+                adds = p < splits
+                p0, p1, p2, p3 = parts[p]
+                s0 = cutlass.select_(adds, du.add_rn(s0, p0), s0)
+                s1 = cutlass.select_(adds, du.add_rn(s1, p1), s1)
+                s2 = cutlass.select_(adds, du.add_rn(s2, p2), s2)
+                s3 = cutlass.select_(adds, du.add_rn(s3, p3), s3)
+            du.store_shared_v4(at, s0, s1, s2, s3)
+        self.sync_epilogue_threads()  # the epilogue reads sC with another mapping
+        cute.arch.cluster_arrive()  # this CTA has read its peers' partials
+        return row_lo, row_hi
 
     @cute.jit
     def epilogue_inputs(self, mBias: cute.Tensor | None, mNormW: cute.Tensor,

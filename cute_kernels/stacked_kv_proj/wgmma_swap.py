@@ -2,7 +2,8 @@
 A (its M: 64 weight rows per consumer warpgroup) and the token tile its B (its N: any multiple
 of 8 up to 256), so the token tile is sized to fill the SMs, not by the wgmma's M. The
 accumulators hold head dims along rows, so the epilogue runs from SMEM
-(:class:`~.staged.StagedEpilogue`)."""
+(:class:`~.staged.StagedEpilogue`). At decode sizes a tile's K can be split over the CTAs of a
+cluster, whose partials are summed through distributed shared memory."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from .. import dsl_utils as du
 from .base import StackedKvProjBase
@@ -30,7 +31,8 @@ MAX_STAGES = 16  # ring depth cap (the small-N tiles: sw32 fits 11 stages in the
 
 class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
     """sm_90a core for few weight tiles: ``weight_tile @ token_tile^T`` on wgmma, one tile per
-    CTA (the plan sizes the token tile so that the tiles fill the SMs in whole waves).
+    CTA (the plan sizes the token tile so that the tiles fill the SMs in whole waves), or,
+    split (``cluster=True``), one K range of a tile per CTA.
 
     Warpgroup 0 is the producer: one thread issues the TMA loads of the weight's and the
     tokens' k-tiles into an mbarrier ring (``PipelineTmaAsync``). Warpgroups 1.. are consumers,
@@ -38,19 +40,31 @@ class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
     flight. After the last k-tile the consumers stage the fp32 accumulators transposed, as
     the ``[token, column]`` tile of the staged epilogue, in the drained ring (the producer
     issues nothing after the last k-tile), and finish the rows from there. Tokens beyond T are
-    zero-filled by TMA and never stored."""
+    zero-filled by TMA and never stored.
+
+    Split K (``cluster=True``, a runtime split ``S <= CLUSTER_MAX_SPLITS``): the ``S`` CTAs of
+    a tile are one cluster, CTA ``b`` runs k-tiles ``[s K / S, (s + 1) K / S)`` of tile ``b /
+    S`` (``s = b mod S``, its rank), stages its fp32 partial, and after a cluster barrier sums
+    the ``s``-th ``1/S`` of the valid rows of all partials through DSMEM in split order and
+    finishes those rows (:meth:`~.staged.StagedEpilogue.reduce_cluster`, as the mma core's
+    cluster hand-over). So the few weight tiles of a tensor-parallel rank or a one-layer
+    drafter at decode sizes stream on up to ``S`` times as many SMs, each with this core's
+    TMA ring, and the per-head norm still sees full sums."""
 
     def __init__(self, num_layers: int, n_kv: int, head_dim: int, has_bias: bool,
-                 has_commit: bool, norm_dtype: type, tile: TileConfig) -> None:
+                 has_commit: bool, norm_dtype: type, tile: TileConfig,
+                 cluster: bool = False) -> None:
         bn = tile.columns(head_dim, n_kv * head_dim)
         assert bn in (64, 128), "a swapped wgmma tile holds 64 or 128 weight rows"
         self.consumer_warpgroups = bn // 64
+        self.cluster = cluster  # K split over a cluster's CTAs, partials summed through DSMEM
         super().__init__(num_layers, n_kv, head_dim, has_bias, has_commit, norm_dtype, tile,
                          128 * (1 + self.consumer_warpgroups))
         assert self.bm % 8 == 0 and self.bm <= 256, "the wgmma's N"
         self.consumer_threads = 128 * self.consumer_warpgroups
         self.stages = self.ring_stages(MAX_STAGES, WGMMA_SMEM_BUDGET)
-        self.init_staged_epilogue(self.consumer_threads, self.bn + SWAPPED_C_ROW_PAD)
+        self.init_staged_epilogue(self.consumer_threads, self.bn + SWAPPED_C_ROW_PAD,
+                                  CONSUMER_BARRIER)
         assert self.bm * self.c_stride * 4 <= self.stages * (self.bm + self.bn) * self.bk * 2, (
             "the staged tile fits in the ring")
 
@@ -72,11 +86,12 @@ class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
         mWork: cute.Tensor,
         mCount: cute.Tensor,
         grid_ctas: Int32,
-        dp_tiles: Int32,
+        splits: Int32,
         stream: cuda.CUstream,
     ) -> None:
-        """``mWork``, ``mCount`` and ``dp_tiles`` are unused (the wgmma cores' one signature):
-        one CTA per tile, ``grid_ctas`` of them."""
+        """``mWork`` and ``mCount`` are unused (the wgmma cores' one signature, whose last
+        two are the grid and here the split): ``grid_ctas`` CTAs, ``splits`` per tile (1
+        unless ``cluster``)."""
         mLoc = self.token_slots(mLoc)
         k_major = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR  # both operands are [rows, H], H inner
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -104,10 +119,15 @@ class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
             sX: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sX_layout)], 1024]
 
         self.shared_storage = SharedStorage
-        self.kernel(
+        kernel = self.kernel(
             tma_w, tma_mW, tma_x, tma_mX, mBias, mNormW, eps, mPos, mCosSin, mLoc, mCommit,
-            width, k_caches, v_caches, sW_layout, sX_layout, tiled_mma,
-        ).launch(grid=[grid_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
+            width, k_caches, v_caches, splits, sW_layout, sX_layout, tiled_mma,
+        )
+        if const_expr(self.cluster):  # a tile's splits: one cluster
+            kernel.launch(grid=[grid_ctas, 1, 1], block=[self.threads, 1, 1],
+                          cluster=[splits, 1, 1], stream=stream)
+        else:
+            kernel.launch(grid=[grid_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(
@@ -126,6 +146,7 @@ class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
         width: Int32,
         k_caches: tuple,
         v_caches: tuple,
+        splits: Int32,
         sW_layout: cute.ComposedLayout,
         sX_layout: cute.ComposedLayout,
         tiled_mma: cute.TiledMma,
@@ -137,8 +158,12 @@ class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
             cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
         num_tokens = mLoc.shape[0]
-        tile_m, tile_n = self.tile_coords(bid, cute.ceil_div(num_tokens, self.bm))
+        tile = bid // splits
+        split = bid - tile * splits  # the CTA's rank in its cluster
+        tile_m, tile_n = self.tile_coords(tile, cute.ceil_div(num_tokens, self.bm))
         k_tiles = mX.shape[1] // self.bk
+        k_lo = split * k_tiles // splits  # the plan never splits finer than the k-tiles
+        k_hi = (split + 1) * k_tiles // splits
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -167,9 +192,13 @@ class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
                 operands = ((tma_w, tWgW, tWsW, tile_n, self.weight_evict_first(mX.shape[1])),
                             (tma_x, tXgX, tXsX, tile_m, None))
                 stream = du.evict_first_policy()
-                for k_tile in cutlass.range(k_tiles, unroll=1):
+                for k_tile in cutlass.range(k_lo, k_hi, unroll=1):
                     self.load_stage(ring, producer, operands, k_tile, stream)
                     producer.advance()
+            if const_expr(self.cluster):  # the reduction's two cluster barriers (see there)
+                cute.arch.cluster_arrive_relaxed()
+                cute.arch.cluster_wait()
+                cute.arch.cluster_arrive_relaxed()
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             ctid = tidx - 128  # thread index among the consumers
@@ -191,7 +220,7 @@ class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
             acc.fill(0.0)
             self.mma_stage(ring, read, tiled_mma, acc, tCrW, tCrX, k_blocks)
             read.advance()
-            for _k_tile in cutlass.range(1, k_tiles, unroll=1):
+            for _k_tile in cutlass.range(1, k_hi - k_lo, unroll=1):
                 self.mma_stage(ring, read, tiled_mma, acc, tCrW, tCrX, k_blocks)
                 # Keep one wgmma group in flight; the one before it has retired, so its
                 # stage goes back to the producer.
@@ -204,12 +233,18 @@ class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
             # once all consumer warpgroups are here (the fence orders the async proxy's TMA
             # writes and wgmma reads before the staging's generic writes).
             cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.consumer_threads)
+            self.sync_epilogue_threads()
             sC = self.staged_tile(sW.iterator)
             self.stage_fragment(tiled_mma, ctid, acc, sC, True)
             _, first_column = self.tile_layer(tile_n)
             self.rope_inputs(mCosSin, tile_m, first_column < self.kv, num_tokens, ctid, rSlot,
                              rPos, rCommitted, rCos, rSin)
-            cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.consumer_threads)
+            self.sync_epilogue_threads()
+            row_lo, row_hi = Int32(0), Int32(self.bm)  # the tile rows this CTA finishes
+            if const_expr(self.cluster):
+                rows_valid = cutlass.min(num_tokens - tile_m * self.bm, self.bm)
+                row_lo, row_hi = self.reduce_cluster(sC, split, splits, rows_valid, ctid)
             self.epilogue(sC, eps, num_tokens, k_caches, v_caches, tile_m, tile_n, ctid, rSlot,
-                          rCommitted, rCos, rSin, rBias, rNorm, Int32(0), Int32(self.bm))
+                          rCommitted, rCos, rSin, rBias, rNorm, row_lo, row_hi)
+        if const_expr(self.cluster):
+            cute.arch.cluster_wait()  # the peers' reads of this CTA's partial are done
