@@ -617,7 +617,8 @@ COST_MODEL_CHOICES = [
     # the split swapped wgmma tile, on at most 80 CTAs (H200, 2026-12-02 20:00 UTC, cold us,
     # against the plan before it)
     ("tp8", 5, 1, 128, 4096, 64, "sw32", 4),  # 13.1 against swap16's 14.3 (6 splits)
-    ("1layer", 1, 8, 128, 4096, 64, "sw32", 2),  # 14.7 against m64h's 15.3
+    ("1layer", 1, 8, 128, 4096, 64, "m64h", 1),  # 2 splits: 14.7 / 14.8 against 15.3 / 15.2
+    ("tp4", 5, 2, 128, 4096, 64, "m64h", 1),  # 2 splits: 15.4 / 16.7 against 15.6
     ("d64", 3, 4, 64, 4096, 64, "sw32", 3),  # 13.3 against m64h's 14.6
     ("small", 1, 1, 128, 2048, 256, "sw32", 5),  # 16 tiles: 6 / 4 splits 9.7 / 10.1, m64h 10.8
     ("tp2", 5, 4, 128, 4096, 64, "m64h", 1),  # 80 tiles: no split (2 splits 27.7 against 19.3)

@@ -131,6 +131,10 @@ SPLIT_SWAPPED_WGMMA_TILES = ("sw32",)
 #: 16.7 us; one layer, T = 64 on 32 tiles: 2 / 3 / 4 splits 14.7 / 15.2 / 20.5; H 2048 x 1 x
 #: 1 x 128, T = 256 on 16 tiles: 4 / 6 / 8 splits 10.1 / 9.7 / 12.7).
 SPLIT_SWAPPED_MAX_CTAS = 80
+#: ... and its fewest splits: on 2 it measured no faster than the plans before it (TP 4, T = 64
+#: on 40 tiles: 15.4 and 16.7 us in two runs against m64h's 15.6; one layer, T = 64: 14.7 /
+#: 14.8 against 15.3 / 15.2; TP 8, T = 128: 14.5 against 14.5).
+SPLIT_SWAPPED_MIN_SPLITS = 3
 TILES = {t.name: t for t in (TILE_SMALL, TILE_MEDIUM, TILE_WIDE, TILE_SWAP, TILE_SPLIT_HEAD,
                              *TILES_SWAPPED_WGMMA)}
 SWAP_TILES = tuple(name for name, t in TILES.items() if t.swap)
@@ -598,14 +602,13 @@ def swapped_split_plan(layout: StackedLayout, tokens: int, hidden: int,
     tiles, each split into ``S`` K ranges on one cluster, ``S`` as large as
     ``SPLIT_SWAPPED_MAX_CTAS`` CTAs allow (at most ``CLUSTER_MAX_SPLITS``, the k-tiles, and
     what is resident at once), planned for ``SWAPPED_WGMMA_MIN_TOKENS <= T <=
-    SWAP_MAX_TOKENS`` when that gives at least two splits. So it runs for the layouts of at
-    most 40 weight tiles per token tile, where the other plans leave most SMs idle; measured
-    against the plan before it (H200, 2026-12-02 20:00 UTC, cold us): TP 8, T = 64, 13.1
-    against 14.3; one layer, T = 64, 14.7 against 15.3; D = 64 (H 4096, L 3, n_kv 4), T = 64,
-    13.3 against 14.6; H 2048 x 1 x 1 x 128, T = 64 / 128 / 256, 8.4 / 8.7 / 9.9 against 10.7
-    / 10.6 / 10.8; TP 4, T = 64 and TP 8, T = 128 within 0.2. At T <= 16 the mma core's split
-    plan measured faster in every layout (TP 8, T = 1: 10.2 against 10.9), at T = 17..32 it
-    was not measured."""
+    SWAP_MAX_TOKENS`` when that gives at least ``SPLIT_SWAPPED_MIN_SPLITS`` splits. So it runs
+    for the layouts of at most 26 weight tiles per token tile, where the other plans leave
+    most SMs idle; measured against the plan before it (H200, 2026-12-02 20:00 UTC, cold us):
+    TP 8, T = 64, 13.1 against 14.3; D = 64 (H 4096, L 3, n_kv 4), T = 64, 13.3 against
+    14.6; H 2048 x 1 x 1 x 128, T = 64 / 128 / 256, 8.4 / 8.7 / 9.9 against 10.7 / 10.6 /
+    10.8. At T <= 16 the mma core's split plan measured faster in every layout (TP 8, T = 1:
+    10.2 against 10.9), at T = 17..32 it was not measured."""
     config = TILES[SPLIT_SWAPPED_WGMMA_TILES[0]]
     if (not SWAPPED_WGMMA_MIN_TOKENS <= tokens <= SWAP_MAX_TOKENS
             or config.columns(layout.head_dim, layout.kv) > SWAPPED_WGMMA_MAX_COLUMNS):
@@ -614,7 +617,7 @@ def swapped_split_plan(layout: StackedLayout, tokens: int, hidden: int,
     splits = min(CLUSTER_MAX_SPLITS, hidden // STACKED_K_TILE, SPLIT_SWAPPED_MAX_CTAS // tiles)
     while splits > 1 and tiles * splits > residency(splits, 1):
         splits -= 1
-    if splits < 2:
+    if splits < SPLIT_SWAPPED_MIN_SPLITS:
         return None
     return StackedPlan(StackedVariant("wgmma", config.name, True), False, tiles * splits, tiles,
                        splits)
