@@ -639,10 +639,12 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
     ``ctas`` CTAs of the wgmma core at once (one per SM) and ``residency`` CTAs of the mma
     core in clusters (default: :func:`formula_residency`).
 
-    Up to ``SWAP_MAX_TOKENS``, the split swapped tile when all its CTAs fit at once and, where
-    the wgmma core exists, its estimated time is below the wgmma core's (the cost model
-    above). Otherwise the data-parallel tile of least estimated waves, or stream-K where it
-    measured faster (``STREAM_K_*``). Overrides: ``CUTE_KERNELS_STACKED_{IMPL,TILE,SCHEDULE,
+    On the wgmma core, the split swapped wgmma plan where :func:`swapped_split_plan` gives one
+    (no override set, a forced split included). Else, up to ``SWAP_MAX_TOKENS``, the mma
+    core's split swapped tile when all its CTAs fit at once and, where the wgmma core exists,
+    its estimated time is below the wgmma core's (the cost model above). Otherwise the
+    data-parallel tile of least estimated waves, or stream-K where it measured faster
+    (``STREAM_K_*``). Overrides: ``CUTE_KERNELS_STACKED_{IMPL,TILE,SCHEDULE,
     CTAS,SPLITS}``; any but the split one leaves the swapped tile out unless it names it. The
     mma core has no stream-K schedule: one CTA per tile, or per k-range of a split tile."""
     impl = choose_impl(layout.arch)
