@@ -119,7 +119,8 @@ def main() -> None:
             os.environ.pop("CUTE_KERNELS_STACKED_SCHEDULE", None)
             plan = plan_for_call(args)
             row["auto"] = (f"{plan.variant.tile} {'sk' if plan.stream_k else 'dp'}"
-                           f" {plan.grid}/{plan.dp_tiles}")
+                           f" {plan.grid}/{plan.dp_tiles}"
+                           + (f" split {plan.splits}" if plan.splits > 1 else ""))
             row["auto_us"] = timer.cold_us(lambda a=args: stacked_kv_proj(*a))
             for tile, schedule, ctas, splits in configs:
                 os.environ["CUTE_KERNELS_STACKED_TILE"] = tile
