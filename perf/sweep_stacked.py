@@ -3,7 +3,7 @@ counts, next to the bare cuBLAS GEMM: the measurements behind the planner's cost
 (specs/stacked_kv_proj.md). GPU only.
 
     python -m perf.sweep_stacked [--tokens 1,16,64,256] [--layouts tp1,tp8]
-        [--configs m64/dp,sw80/dp,m64/streamk@66,sw64/dp:8] [--json OUT] [--jobs 12]
+        [--configs m64/dp,sw80/dp,m64/streamk@66,sw32/dp:8] [--json OUT] [--jobs 12]
 
 A config is ``tile/schedule[@ctas][:splits]``: the splits of a swapped wgmma tile run as one
 cluster (the split variant).

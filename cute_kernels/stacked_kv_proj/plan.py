@@ -596,13 +596,14 @@ def swap_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
     return plan, estimate_us
 
 
-def swapped_split_plan(layout: StackedLayout, tokens: int, hidden: int,
+def swapped_split_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
                        residency: ClusterResidency) -> StackedPlan | None:
     """The split swapped wgmma plan of a decode call, or None where it is not the plan: sw32
     tiles, each split into ``S`` K ranges on one cluster, ``S`` as large as
-    ``SPLIT_SWAPPED_MAX_CTAS`` CTAs allow (at most ``CLUSTER_MAX_SPLITS``, the k-tiles, and
-    what is resident at once), planned for ``SWAPPED_WGMMA_MIN_TOKENS <= T <=
-    SWAP_MAX_TOKENS`` when that gives at least ``SPLIT_SWAPPED_MIN_SPLITS`` splits. So it runs
+    ``SPLIT_SWAPPED_MAX_CTAS`` CTAs allow (and ``ctas``, the resident CTAs or their
+    override; at most ``CLUSTER_MAX_SPLITS``, the k-tiles, and what is resident at once),
+    planned for ``SWAPPED_WGMMA_MIN_TOKENS <= T <= SWAP_MAX_TOKENS`` when that gives at least
+    ``SPLIT_SWAPPED_MIN_SPLITS`` splits. So it runs
     for the layouts of at most 26 weight tiles per token tile, where the other plans leave
     most SMs idle; measured against the plan before it (H200, 2026-12-02 20:00 UTC, cold us):
     TP 8, T = 64, 13.1 against 14.3; D = 64 (H 4096, L 3, n_kv 4), T = 64, 13.3 against
@@ -614,7 +615,8 @@ def swapped_split_plan(layout: StackedLayout, tokens: int, hidden: int,
             or config.columns(layout.head_dim, layout.kv) > SWAPPED_WGMMA_MAX_COLUMNS):
         return None
     tiles = tile_count(tokens, layout, config)
-    splits = min(CLUSTER_MAX_SPLITS, hidden // STACKED_K_TILE, SPLIT_SWAPPED_MAX_CTAS // tiles)
+    splits = min(CLUSTER_MAX_SPLITS, hidden // STACKED_K_TILE,
+                 min(SPLIT_SWAPPED_MAX_CTAS, ctas) // tiles)
     while splits > 1 and tiles * splits > residency(splits, 1):
         splits -= 1
     if splits < SPLIT_SWAPPED_MIN_SPLITS:
@@ -655,13 +657,13 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
     overridden = any(os.environ.get(name, "auto") != "auto"
                      for name in (IMPL_ENV, TILE_ENV, SCHEDULE_ENV))
     wanted = forced_schedule()
+    if not overridden and impl == "wgmma" and forced_splits() is None:
+        plan = swapped_split_plan(layout, tokens, hidden, ctas, residency)
+        if plan is not None:
+            return plan
     # a forced stream-K schedule takes a whole-head tile (the split-head plan is data-parallel)
     tile = choose_tile(tokens, impl, layout.num_layers, layout.n_kv, layout.head_dim, ctas,
                        data_parallel=wanted != "streamk")
-    if not overridden and impl == "wgmma" and forced_splits() is None:
-        plan = swapped_split_plan(layout, tokens, hidden, residency)
-        if plan is not None:
-            return plan
     if not overridden and tokens <= SWAP_MAX_TOKENS:
         plan, estimate_us = swap_plan(layout, tokens, hidden, ctas, residency)
         # no other core to weigh it against on an arch without wgmma: taken when it fits
