@@ -71,13 +71,17 @@ class CompressC128Key:
 class ClusterTokens:
     """What the issuing cursor walks: the index tensors and this cluster's contiguous range of
     tokens ``[first, end)``, in chunks of 32 (``num_chunks``), seen from lane ``lane`` of warp
-    ``warp``."""
+    ``warp``; and the bounds its indices must keep: the state pages, the cos/sin table's rows
+    and the record slots of the cache."""
 
     mTokenReq: cute.Tensor
     mBlockTable: cute.Tensor
     mPos: cute.Tensor
     mSlot: cute.Tensor
     mKvSlot: cute.Tensor
+    num_pages: Int32
+    num_positions: Int64
+    num_records: Int64
     first: Int32
     end: Int32
     num_chunks: Int32
@@ -253,8 +257,10 @@ class CompressC128:
         # loads are contiguous.
         first_token = Int32(Int64(cluster_id) * num_tokens // num_clusters)
         end_token = Int32(Int64(cluster_id + 1) * num_tokens // num_clusters)
-        tokens = ClusterTokens(mTokenReq, mBlockTable, mPos, mSlot, mKvSlot, first_token,
-                               end_token, (end_token - first_token + 31) // 32, lane, warp)
+        tokens = ClusterTokens(
+            mTokenReq, mBlockTable, mPos, mSlot, mKvSlot, Int32(mState.shape[0]),
+            Int64(mCosSin.shape[0]), Int64(mCache.shape[0]) * Int64(mCache.shape[1]),
+            first_token, end_token, (end_token - first_token + 31) // 32, lane, warp)
         # -- the issuing cursor: it alone walks the tokens and hands each window it starts to
         # the pooling cursor through sWindows (warp 0 stores the records)
         mask, page0, page1, window_start, kv_slot = self.scan_chunk(tokens, Int32(0))
@@ -365,15 +371,26 @@ class CompressC128:
         pos = tokens.mPos[t_safe]
         slot = tokens.mSlot[t_safe]
         kv_slot = tokens.mKvSlot[t_safe]
-        is_boundary = in_range & (slot >= 0) & (kv_slot >= 0) & ((pos + 1) % C128_RATIO == 0)
-        mask = Uint32(cute.arch.vote_ballot_sync(is_boundary))
         window_start = pos - (C128_RATIO - 1)
+        is_boundary = in_range & (slot >= 0) & (kv_slot >= 0) & ((pos + 1) % C128_RATIO == 0)
+        # Indices out of range never reach memory: a token whose request, window (its block
+        # table entries and cos/sin row) or record slot lies outside its tensor is skipped,
+        # and a page id outside the state cache is clamped into it (garbage in, garbage out,
+        # but every read stays in the cache). Every CTA of the cluster decides alike.
+        is_boundary = (is_boundary & (kv_slot < tokens.num_records) & (window_start >= 0)
+                       & (window_start < tokens.num_positions)
+                       & (pos < Int64(tokens.mBlockTable.shape[1]) * C128_STATE_BLOCK)
+                       & (request >= 0) & (request < tokens.mBlockTable.shape[0]))
+        mask = Uint32(cute.arch.vote_ballot_sync(is_boundary))
         page0 = Int32(0)
         page1 = Int32(0)
         if (mask >> Uint32(tokens.lane)) & Uint32(1) != Uint32(0):
             first_page = Int32(window_start // C128_STATE_BLOCK) + 2 * tokens.warp
-            page0 = tokens.mBlockTable[request, first_page]
-            page1 = tokens.mBlockTable[request, first_page + 1]
+            last_page = tokens.num_pages - 1
+            page0 = cutlass.min(cutlass.max(tokens.mBlockTable[request, first_page], 0),
+                                last_page)
+            page1 = cutlass.min(cutlass.max(tokens.mBlockTable[request, first_page + 1], 0),
+                                last_page)
         return mask, page0, page1, window_start, kv_slot
 
     @cute.jit

@@ -171,8 +171,8 @@ class KvRopeInsert:
         tKrK = cute.make_rmem_tensor((self.STAGES * 8,), Uint32)
         for ahead in cutlass.range_constexpr(self.STAGES - 1):
             if ahead < items:
-                self.fetch(mKV, mSlot, mPos, mCosSin, tCrChunk, ring, ahead, first, stride,
-                           items, lane)
+                self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, ring, ahead, first,
+                           stride, items, lane)
                 self.load_row_words(mKV, tKrK, ahead, ahead, first, stride, lane)
             du.cp_async_commit()
         for base in cutlass.range(0, items, self.STAGES, unroll=1):
@@ -180,7 +180,7 @@ class KvRopeInsert:
                 i = base + k
                 ahead = i + self.STAGES - 1
                 if ahead < items:
-                    self.fetch(mKV, mSlot, mPos, mCosSin, tCrChunk, ring, ahead, first,
+                    self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, ring, ahead, first,
                                stride, items, lane)
                     self.load_row_words(mKV, tKrK, (k + self.STAGES - 1) % self.STAGES, ahead,
                                         first, stride, lane)
@@ -219,8 +219,8 @@ class KvRopeInsert:
             fp8_scale = mScale[0]
         for ahead in cutlass.range_constexpr(self.STAGES - 1):
             if ahead < items:
-                self.fetch(mKV, mSlot, mPos, mCosSin, tCrChunk, ring, ahead, first, stride,
-                           items, lane)
+                self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, ring, ahead, first,
+                           stride, items, lane)
             du.cp_async_commit()
         # Once per thread, after the first copies are on their way (so that neither the scale's
         # load nor the 64-bit division of divisor_magic delays them): the block size's
@@ -232,8 +232,8 @@ class KvRopeInsert:
         for i in cutlass.range(items, unroll=1):
             ahead = i + self.STAGES - 1
             if ahead < items:
-                self.fetch(mKV, mSlot, mPos, mCosSin, tCrChunk, ring, ahead, first, stride,
-                           items, lane)
+                self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, ring, ahead, first,
+                           stride, items, lane)
             du.cp_async_commit()  # one group per item: group i is the oldest pending
             du.cp_async_wait(self.STAGES - 1)
             cute.arch.sync_warp()  # every lane's copies and lane 0's header are visible
@@ -334,8 +334,8 @@ class KvRopeInsert:
     @cute.jit
     def fetch(
         self, mKV: cute.Tensor, mSlot: cute.Tensor, mPos: cute.Tensor, mCosSin: cute.Tensor,
-        tCrChunk: cute.Tensor, ring: Int32, item: Int32, first: Int32, stride: Int32,
-        items: Int32, lane: Int32,
+        mCache: cute.Tensor, tCrChunk: cute.Tensor, ring: Int32, item: Int32, first: Int32,
+        stride: Int32, items: Int32, lane: Int32,
     ) -> None:
         """Start the copies of item ``item``'s inputs into ring stage ``item % STAGES``: the
         slot (from the chunk registers) as the header, the kv row (each instruction 512
@@ -349,8 +349,14 @@ class KvRopeInsert:
                 chunk = 32 * half + lane
                 du.cp_async_16(self.row_chunk(stage, chunk), row + 16 * chunk)
         if item % 32 == 0:  # enter the next chunk, and start loading the one after it
-            tCrChunk[0] = tCrChunk[2]
-            tCrChunk[1] = tCrChunk[3]
+            # Input out of range never reaches memory: a slot past the cache's last row, or a
+            # position outside the cos/sin table, skips its row as a negative slot does.
+            # Tested once per lane and chunk, as the chunk is entered.
+            slot_ahead, position_ahead = tCrChunk[2], tCrChunk[3]
+            in_range = ((slot_ahead < Int64(mCache.shape[0]) * Int64(mCache.shape[1]))
+                        & (position_ahead >= 0) & (position_ahead < Int64(mCosSin.shape[0])))
+            tCrChunk[0] = cutlass.select_(in_range, slot_ahead, Int64(-1))
+            tCrChunk[1] = position_ahead
             self.load_chunk(mSlot, mPos, tCrChunk, lane, item + 32, first, stride, items)
         slot = cute.arch.shuffle_sync(tCrChunk[0], offset=item % 32)
         position = cute.arch.shuffle_sync(tCrChunk[1], offset=item % 32)

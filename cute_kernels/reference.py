@@ -103,12 +103,16 @@ def kv_rope_insert(
     """Reference of :func:`cute_kernels.kv_rope_insert` (specs/kv_rope_insert.md)."""
     fmt = cache_format(k_cache.dtype, bool(kv_mxfp8))
     n = slot_mapping.shape[0]
-    tokens = torch.nonzero(slot_mapping >= 0).flatten()
+    capacity = k_cache.shape[0] * k_cache.shape[1]
+    pos = positions[:n]
+    written = ((slot_mapping >= 0) & (slot_mapping < capacity)
+               & (pos >= 0) & (pos < cos_sin_cache.shape[0]))
+    tokens = torch.nonzero(written).flatten()
     if tokens.numel() == 0:
         return
     slots = slot_mapping[tokens]
     x = kv[:n][tokens].float()
-    cos_sin = cos_sin_cache[positions[:n][tokens]]
+    cos_sin = cos_sin_cache[pos[tokens]]
     half = ROPE_DIM // 2
     rot_even, rot_odd = rotate_gptj(
         x[:, NOPE_DIM::2], x[:, NOPE_DIM + 1 :: 2], cos_sin[:, :half], cos_sin[:, half:]
@@ -147,6 +151,27 @@ def kv_rope_insert(
 # -- C128 compressor -------------------------------------------------------------------------------
 
 
+def c128_compressed_tokens(
+    block_table: torch.Tensor,
+    token_to_req: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    kv_slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Which tokens write a record (bool ``[T]``): on a 128-position boundary with both slots
+    non-negative, and with every index in range — the request a row of ``block_table``, the
+    window's pages inside that row, its first position a row of ``cos_sin_cache`` and the
+    record slot inside ``k_cache``."""
+    start = positions - (C128_RATIO - 1)
+    return ((slot_mapping >= 0) & (kv_slot_mapping >= 0) & ((positions + 1) % C128_RATIO == 0)
+            & (kv_slot_mapping < k_cache.shape[0] * k_cache.shape[1])
+            & (start >= 0) & (start < cos_sin_cache.shape[0])
+            & (positions < block_table.shape[1] * C128_STATE_BLOCK)
+            & (token_to_req >= 0) & (token_to_req < block_table.shape[0]))
+
+
 def c128_normed_windows(
     state_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -163,7 +188,8 @@ def c128_normed_windows(
         pages_per_window, device=start.device
     )
     requests = token_to_req[tokens].long().unsqueeze(1)
-    pages = block_table[requests, page_index].long()  # [M, 16]
+    # page ids outside the state cache are clamped into it (the kernel's reads stay inside)
+    pages = block_table[requests, page_index].long().clamp(0, state_cache.shape[0] - 1)
     rows = state_cache[pages].double().reshape(len(tokens), C128_RATIO, 2 * HEAD_DIM)
     weights = torch.softmax(rows[..., HEAD_DIM:], dim=1)  # per column, over the 128 rows
     pooled = (weights * rows[..., :HEAD_DIM]).sum(dim=1)
@@ -189,8 +215,8 @@ def compress_c128(
     """Reference of :func:`cute_kernels.compress_c128` (specs/compress_c128.md), float64 inside;
     every stored value is rounded once from float64. ``chunk`` bounds the float64 working set."""
     fmt = cache_format(k_cache.dtype)
-    boundary = ((slot_mapping >= 0) & (kv_slot_mapping >= 0)
-                & ((positions + 1) % C128_RATIO == 0))
+    boundary = c128_compressed_tokens(block_table, token_to_req, positions, slot_mapping,
+                                      cos_sin_cache, k_cache, kv_slot_mapping)
     flat, base = _storage_bytes(k_cache)
     elem = k_cache.element_size()
     boundary_tokens = torch.nonzero(boundary).flatten()
@@ -294,12 +320,16 @@ def stacked_kv_proj(
     per-layer path with its three bf16 rounding points — R1 ``y = bf16(x @ W_l^T + b_l)`` (fp32
     accumulation, TF32 off, bias added in fp32), R2 the per-head RMSNorm in fp32 times the weight
     then bf16, R3 NeoX RoPE in fp32 (products rounded, no FMA) then bf16; V heads are ``y``.
-    Rows with a negative slot, or a column ``t mod W >= commit_lens[t div W]``, write nothing;
+    Rows with a negative slot, a position outside the cos/sin table, or a column ``t mod W >=
+    commit_lens[t div W]`` write nothing, nor does a row into a cache its slot is past;
     ``cache_loc_2d`` replaces ``cache_loc`` when given. Syncs with the host (``nonzero``)."""
     num_layers = len(k_caches)
     n_kv, head_dim = k_caches[0].shape[1], k_caches[0].shape[2]
     kv = n_kv * head_dim
     rows, slots = stacked_kv_slots(cache_loc, cache_loc_2d, commit_lens)
+    # a row whose position lies outside the cos/sin table writes nothing
+    in_table = (positions[rows] >= 0) & (positions[rows] < cos_sin_cache.shape[0])
+    rows, slots = rows[in_table], slots[in_table]
     if rows.numel() == 0:
         return
     x = ctx_hidden[rows]  # only the rows that write: the GEMM is row-independent
@@ -315,5 +345,12 @@ def stacked_kv_proj(
         k = y[:, :kv].reshape(-1, n_kv, head_dim)
         v = y[:, kv:].reshape(-1, n_kv, head_dim)
         k_out = k_norm_rope(k, k_norm_weight[layer], eps, cos, sin)
-        k_caches[layer][slots] = k_out
-        v_caches[layer][slots] = v
+        store_rows(k_caches[layer], slots, k_out)
+        store_rows(v_caches[layer], slots, v)
+
+
+def store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """``cache[slots] = rows`` for the slots inside ``cache``: a slot past its last row writes
+    nothing."""
+    fits = slots < cache.shape[0]
+    cache[slots[fits]] = rows[fits]

@@ -57,13 +57,16 @@ def kv_rope_insert_case(
     fmt: CacheFormat | str, num_slots: int, block_size: int, device: str | torch.device,
     extra_rows: int = 3, seed: int = 42, kv_rows: int | None = None,
     max_pos: int | None = None, positions_base: int = 7, skip_every: int = 5,
-    slot_pattern: str = "random",
+    slot_pattern: str = "random", out_of_range: bool = False,
 ) -> KvRopeInsertCase:
     """Inputs in the layout vLLM's own regression test uses: padded ``as_strided`` pages,
     poison, random scattered slots with every ``skip_every``-th one -1, and ``kv`` rows beyond
     the slots (DP padding). ``slot_pattern``: "random" scatters every slot (the regression-test
     layout); "paged" is what a paged allocator gives a prefill: pages in random order, slots
-    consecutive inside; "decode" is one random slot per request, as a decode step writes."""
+    consecutive inside; "decode" is one random slot per request, as a decode step writes.
+    ``out_of_range``: the backing holds a guard page past the cache, and some rows' slots
+    point into it or past it, some positions lie outside the cos/sin table (those rows write
+    nothing)."""
     fmt = CacheFormat(fmt)
     dtype, mxfp8, width = fmt.dtype, fmt is CacheFormat.V41_MXFP8, fmt.record_width
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -72,7 +75,7 @@ def kv_rope_insert_case(
     if slot_pattern == "decode":  # every slot in a page of its own
         num_blocks = num_slots + 1
     stride = kv_page_stride(block_size, width)
-    backing = torch.empty(num_blocks * stride, dtype=dtype, device=device)
+    backing = torch.empty((num_blocks + int(out_of_range)) * stride, dtype=dtype, device=device)
     backing.view(torch.uint8).fill_(POISON)
     k_cache = backing.as_strided((num_blocks, block_size, width), (stride, width, 1))
     kv = torch.randn(rows, HEAD_DIM, generator=gen).to(torch.bfloat16).to(device)
@@ -90,6 +93,13 @@ def kv_rope_insert_case(
         slots = pages[t // block_size] * block_size + t % block_size
     if skip_every:
         slots[::skip_every] = -1
+    if out_of_range:
+        capacity = num_blocks * block_size
+        past = slots[1::6]
+        past.copy_(capacity + torch.arange(past.numel()) * 7 % block_size)  # the guard page
+        past[-1:] = 2**40  # far past it
+        positions[2::6] = cos_sin.shape[0]
+        positions[4::6] = -1 - torch.arange(positions[4::6].numel(), device=device)
     scale = torch.tensor([0.7], device=device) if fmt is CacheFormat.FP8 else None
     return KvRopeInsertCase(kv, k_cache, backing, slots.to(device), positions, cos_sin,
                             block_size, scale, mxfp8)
@@ -130,8 +140,10 @@ class CompressC128Case:
 
     @property
     def boundary(self) -> torch.Tensor:
-        return ((self.slot_mapping >= 0) & (self.kv_slot_mapping >= 0)
-                & ((self.positions + 1) % 128 == 0))
+        """The tokens that write a record."""
+        return reference.c128_compressed_tokens(
+            self.block_table, self.token_to_req, self.positions, self.slot_mapping,
+            self.cos_sin_cache, self.k_cache, self.kv_slot_mapping)
 
 
 def c128_page_stride(fmt: CacheFormat, kv_block_size: int) -> int:
@@ -146,12 +158,17 @@ def compress_c128_case(
     boundary_every: int | None = 3, boundary_from: int = 0, num_requests: int = 4,
     windows: int = 8, negative_slots: bool = True, norm_dtype=torch.bfloat16,
     page_stride: int = STATE_PAGE_STRIDE, distinct_windows: bool = False,
+    out_of_range: bool = False,
 ) -> CompressC128Case:
     """Permuted state pages with a padded page stride, boundary and non-boundary tokens,
     negative slots, a poisoned paged cache. ``boundary_every``: every n-th token sits on a
     boundary (None: every token; 0: none), from token ``boundary_from`` on.
     ``distinct_windows``: token t reads its own window (request t % R, window t // R), so no
-    two tokens share state rows (honest bandwidth in the benchmark)."""
+    two tokens share state rows (honest bandwidth in the benchmark). ``out_of_range``: a guard
+    page past the cache, and boundary tokens with, by turns, a record slot in it or far past
+    it, a negative position, a window past its block-table row, a request outside the table;
+    the cos/sin table ends before the last window; some page ids lie outside the state cache
+    (clamped: their windows are written, from the pages clamped into it)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     t = torch.arange(num_tokens, device=device)
     if distinct_windows:
@@ -189,11 +206,25 @@ def compress_c128_case(
     if negative_slots:
         slot_mapping[t % 7 == 3] = -1
         kv_slots[t % 11 == 5] = -1
+    if out_of_range:
+        marked = torch.nonzero(on_boundary).flatten()[1::3]
+        kind = torch.arange(marked.numel(), device=device) % 6
+        guard = num_kv_blocks * kv_block_size
+        kv_slots[marked[kind == 0]] = guard + marked[kind == 0] % kv_block_size
+        kv_slots[marked[kind == 0][:1]] = 2**40
+        positions[marked[kind == 1]] = -1
+        positions[marked[kind == 2]] = windows * 128 + 127
+        token_to_req[marked[kind == 3]] = num_requests
+        token_to_req[marked[kind == 4]] = -1
+        block_table.view(-1)[::37] = num_pages + 5
+        block_table.view(-1)[5::37] = -3
     stride = c128_page_stride(fmt, kv_block_size)
-    backing = torch.empty(num_kv_blocks * stride, dtype=dtype, device=device)
+    backing = torch.empty((num_kv_blocks + int(out_of_range)) * stride, dtype=dtype,
+                          device=device)
     backing.view(torch.uint8).fill_(POISON)
     k_cache = backing.as_strided((num_kv_blocks, kv_block_size, width), (stride, width, 1))
-    angles = torch.rand(windows * 128 + 16, 32, generator=gen, device=device) * 6.3
+    table_rows = (windows - 1) * 128 if out_of_range else windows * 128 + 16
+    angles = torch.rand(table_rows, 32, generator=gen, device=device) * 6.3
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1)
     norm_weight = (1 + 0.25 * torch.randn(HEAD_DIM, generator=gen, device=device)).to(norm_dtype)
     scale = torch.tensor([0.05], device=device) if fmt is CacheFormat.FP8 else None
@@ -371,8 +402,13 @@ class StackedKvProjCase:
         return kb, vb, kc, vc
 
     def written_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows that write, their slots), from the documented rules."""
-        return stacked_kv_slots(self.cache_loc, self.cache_loc_2d, self.commit_lens)
+        """(rows that write, their slots), from the documented rules (for caches of one slot
+        count, as the cases have)."""
+        rows, slots = stacked_kv_slots(self.cache_loc, self.cache_loc_2d, self.commit_lens)
+        positions = self.positions[rows]
+        keep = ((positions >= 0) & (positions < self.cos_sin_cache.shape[0])
+                & (slots < self.k_caches[0].shape[0]))
+        return rows[keep], slots[keep]
 
 
 def stacked_kv_proj_case(
@@ -392,11 +428,15 @@ def stacked_kv_proj_case(
     max_pos: int = 4096,
     eps: float = 1e-6,
     seed: int = 0,
+    out_of_range: bool = False,
 ) -> StackedKvProjCase:
     """Per-layer caches with padded row strides and poison fill, scattered slots with every
     ``skip_every``-th one -1, optional bias, ``cache_loc_2d`` / ``commit_lens`` rows, distinct
     per-layer k-norm weights (a wrong layer or a wrong slice fails), and a real NeoX cos/sin
-    table. ``row_pad`` extra elements per cache row (a multiple of 8 keeps rows 16-byte aligned)."""
+    table. ``row_pad`` extra elements per cache row (a multiple of 8 keeps rows 16-byte aligned).
+    ``out_of_range``: each backing holds guard rows past its cache, and some rows' slots point
+    into them or far past them, some positions lie outside the table (those rows write
+    nothing)."""
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(seed)  # generate where the data lives
     kv = n_kv * head_dim
@@ -413,6 +453,13 @@ def stacked_kv_proj_case(
     loc = torch.randperm(slots, generator=gen, device=dev)[:tokens]
     if skip_every:
         loc[::skip_every] = -1
+    guard_rows = 8 if out_of_range else 0
+    if out_of_range:
+        past = loc[1::6]
+        past.copy_(slots + torch.arange(past.numel(), device=dev) % guard_rows)
+        past[-1:] = 2**40
+        positions[2::6] = max_pos
+        positions[4::6] = -1
     loc_2d = lens = None
     if commit:
         width = commit_width(tokens)
@@ -425,7 +472,8 @@ def stacked_kv_proj_case(
     stride0 = kv + row_pad
 
     def cache() -> tuple[torch.Tensor, torch.Tensor]:
-        backing = torch.empty(slots * stride0, dtype=torch.bfloat16, device=device)
+        backing = torch.empty((slots + guard_rows) * stride0, dtype=torch.bfloat16,
+                              device=device)
         backing.view(torch.uint8).fill_(POISON)
         return backing, backing.as_strided((slots, n_kv, head_dim), (stride0, head_dim, 1))
 

@@ -24,12 +24,13 @@ def _kv_rope_insert() -> int:
     from cute_kernels.layouts import CacheFormat
     from cute_kernels.testing import kv_rope_insert_case
 
-    # 37 slots: one per warp; 33 slots a warp: every warp wraps its ring and crosses a chunk
+    # 37 slots: one per warp; 33 slots a warp: every warp wraps its ring and crosses a chunk.
+    # Some slots and positions out of range: they must neither write nor read outside.
     warps = sm_count(torch.device("cuda")) * KvRopeInsert.CTAS_PER_SM * KvRopeInsert.WARPS_PER_CTA
     sizes = (37, 33 * warps + 37)
     for fmt in CacheFormat:
         for slots in sizes:
-            case = kv_rope_insert_case(fmt, slots, 16, "cuda")
+            case = kv_rope_insert_case(fmt, slots, 16, "cuda", out_of_range=True)
             ref_backing, ref_cache = case.twin()
             reference.kv_rope_insert(*case.args(ref_cache))
             cute_kernels.kv_rope_insert(*case.args())
@@ -47,7 +48,9 @@ def _compress_c128() -> int:
     calls = 0
     for fmt in C128_FORMATS:
         for norm in (torch.bfloat16, torch.float32):
-            case = compress_c128_case(fmt, 40, 2, "cuda", norm_dtype=norm)
+            # with fp32 norm weights, indices out of range too (nothing read or written outside)
+            case = compress_c128_case(fmt, 40, 2, "cuda", norm_dtype=norm,
+                                      out_of_range=norm is torch.float32)
             cute_kernels.compress_c128(*case.args())
             torch.cuda.synchronize()
             written = case.backing.view(torch.uint8) != 0xA5
@@ -95,8 +98,9 @@ def _stacked_kv_proj() -> int:
                     continue  # the other wgmma tiles have no split variant
                 env = {"CUTE_KERNELS_STACKED_IMPL": impl, TILE_ENV: tile, **schedule}
                 os.environ.update(env)
+                # slots and positions out of range too: nothing read or written outside
                 case = stacked_kv_proj_case(37, 256, 2, 2, 128, "cuda", bias=True,
-                                            commit=True, row_pad=8)
+                                            commit=True, row_pad=8, out_of_range=True)
                 _, _, ref_k, ref_v = case.twin()
                 reference.stacked_kv_proj(*case.args(ref_k, ref_v))
                 stacked_kv_proj(*case.args())

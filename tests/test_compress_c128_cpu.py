@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -302,3 +303,31 @@ def test_accepts_supported_layouts(device, fmt):
 def test_kernel_needs_cuda_tensors():
     with pytest.raises(LayoutError, match="state_cache: expected a CUDA tensor"):
         cute_kernels.compress_c128(**_args("cpu"))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_out_of_range_indices(fmt):
+    """A boundary token whose request, window (block-table entries, cos/sin row) or record
+    slot lies outside its tensor writes nothing; a page id outside the state cache is read
+    clamped into it. So the reference equals the one of the same case with those tokens'
+    record slots -1 and the block table clamped, and the guard page behind the cache keeps
+    its poison."""
+    case = make_case(fmt, 600, 2, "cpu", seed=9, out_of_range=True)
+    on_boundary = ((case.slot_mapping >= 0) & (case.kv_slot_mapping >= 0)
+                   & ((case.positions + 1) % 128 == 0))
+    skipped = on_boundary & ~case.boundary
+    assert int(skipped.sum()) >= 8 and int(case.boundary.sum()) >= 20
+    num_pages = case.state_cache.shape[0]
+    outside = (case.block_table < 0) | (case.block_table >= num_pages)
+    assert bool(outside.any())
+    reference.compress_c128(*case.args())
+    kv_slots = case.kv_slot_mapping.clone()
+    kv_slots[skipped] = -1
+    clamped = dataclasses.replace(
+        case, kv_slot_mapping=kv_slots, block_table=case.block_table.clamp(0, num_pages - 1))
+    backing, cache = clamped.fresh_cache()
+    reference.compress_c128(*clamped.args(cache))
+    assert torch.equal(case.backing.view(torch.uint8), backing.view(torch.uint8))
+    guard = case.backing.view(torch.uint8)[case.k_cache.shape[0] * case.k_cache.stride(0)
+                                           * case.k_cache.element_size():]
+    assert guard.numel() > 0 and bool((guard == POISON).all())

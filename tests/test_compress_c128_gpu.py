@@ -50,6 +50,22 @@ def test_boundaries_after_empty_chunks(fmt, boundary_from):
     _check(case, case.backing)
 
 
+@pytest.mark.parametrize("num_tokens", [600, 9000])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_out_of_range_indices(fmt, num_tokens):
+    """Boundary tokens whose request, window or record slot lies outside its tensor (a slot
+    into the guard page behind the cache, one at 2^40) write nothing, page ids outside the
+    state cache are read clamped into it: the records within the tolerance rules of the
+    reference, every other byte (the guard page included) untouched, no fault."""
+    case = make_case(fmt, num_tokens, 2, "cuda", seed=9, out_of_range=True)
+    on_boundary = ((case.slot_mapping >= 0) & (case.kv_slot_mapping >= 0)
+                   & ((case.positions + 1) % 128 == 0))
+    assert int((on_boundary & ~case.boundary).sum()) >= 8
+    cute_kernels.compress_c128(*case.args())
+    torch.cuda.synchronize()
+    _check(case, case.backing)
+
+
 @pytest.mark.parametrize("norm_dtype", [torch.float32, torch.bfloat16])
 def test_norm_weight_dtypes(norm_dtype):
     case = make_case("v4_packed", 200, 2, "cuda", norm_dtype=norm_dtype)

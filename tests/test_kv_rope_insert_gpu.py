@@ -66,6 +66,23 @@ def test_byte_exact_with_many_slots_per_warp(fmt):
     assert torch.equal(case.backing.view(torch.uint8), ref_backing.view(torch.uint8))
 
 
+@pytest.mark.parametrize("num_slots", [37, 70001])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_out_of_range_indices_write_nothing(fmt, num_slots):
+    """Slots past the cache (into the guard page behind it, and one at 2^40) and positions
+    outside the cos/sin table skip their rows: byte-exact with the reference, the guard page
+    untouched, no fault."""
+    case = make_case(fmt, num_slots, 48, "cuda", out_of_range=True)
+    ref_backing, ref_cache = case.twin()
+    reference.kv_rope_insert(*case.args(ref_cache))
+    cute_kernels.kv_rope_insert(*case.args())
+    torch.cuda.synchronize()
+    assert torch.equal(case.backing.view(torch.uint8), ref_backing.view(torch.uint8))
+    guard = case.backing.view(torch.uint8)[case.k_cache.shape[0] * case.k_cache.stride(0)
+                                           * case.k_cache.element_size():]
+    assert guard.numel() > 0 and bool((guard == 0xA5).all())
+
+
 @pytest.mark.parametrize("num_slots", [1, 1024, 4097])
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_cuda_graph_replay_with_mutated_inputs(fmt, num_slots):

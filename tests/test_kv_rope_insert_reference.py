@@ -189,3 +189,29 @@ def test_rows_beyond_the_slots_are_ignored():
     reference.kv_rope_insert(*case.args())
     assert torch.equal(case.backing, first)
     assert torch.equal(case.slot_mapping, slots)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_out_of_range_indices_write_nothing(fmt):
+    """A slot past the cache (into the guard page behind it, or far past it) or a position
+    outside the cos/sin table skips its row, exactly as a negative slot does."""
+    case = make_case(fmt, 40, 16, "cpu", out_of_range=True)
+    capacity = case.k_cache.shape[0] * case.k_cache.shape[1]
+    rows = case.slot_mapping.shape[0]
+    positions = case.positions[:rows]
+    out = ((case.slot_mapping >= capacity) | (positions < 0)
+           | (positions >= case.cos_sin_cache.shape[0]))
+    assert 6 <= int(out.sum()) < rows - 8  # some rows of each kind, most rows written
+    reference.kv_rope_insert(*case.args())
+    skipped_backing, skipped_cache = case.twin()
+    skipped_backing.view(torch.uint8).fill_(POISON)
+    slots = case.slot_mapping.clone()
+    slots[out] = -1
+    safe_positions = case.positions.clamp(0, case.cos_sin_cache.shape[0] - 1)
+    reference.kv_rope_insert(case.kv, skipped_cache, slots, safe_positions, case.cos_sin_cache,
+                             case.block_size, case.fp8_scale, case.kv_mxfp8)
+    assert torch.equal(case.backing.view(torch.uint8), skipped_backing.view(torch.uint8))
+    guard = case.backing.view(torch.uint8)[case.k_cache.shape[0] * case.k_cache.stride(0)
+                                           * case.k_cache.element_size():]
+    assert guard.numel() > 0 and bool((guard == POISON).all())
+    assert bool((case.backing.view(torch.uint8) != POISON).any())  # the other rows were written

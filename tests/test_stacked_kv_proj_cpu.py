@@ -805,3 +805,28 @@ def test_variants_of_a_layout_leave_out_what_it_cannot_build():
     assert "m64h" in tiles and not any(TILES[t].tokens_n for t in tiles)
     assert {v.tile for v in variants_for("sm_90a", 128)} == {v.tile for v in
                                                              variants_for("sm_90a")}
+
+
+def test_reference_out_of_range_indices_write_nothing():
+    """A slot past the caches (into the guard rows behind them, or far past) or a position
+    outside the cos/sin table skips its row in every cache, as a negative slot does."""
+    case = make_case(40, 256, 2, 2, 128, "cpu", bias=True, out_of_range=True)
+    slots_per_cache = case.k_caches[0].shape[0]
+    out = ((case.cache_loc >= slots_per_cache) | (case.positions < 0)
+           | (case.positions >= case.cos_sin_cache.shape[0]))
+    assert 6 <= int(out.sum()) < 30
+    case.poison()
+    ref.stacked_kv_proj(*case.args())
+    kb, vb, kc, vc = case.twin()
+    for b in (*kb, *vb):
+        b.view(torch.uint8).fill_(POISON)
+    skipped = dataclasses.replace(
+        case, cache_loc=torch.where(out, -1, case.cache_loc),
+        positions=case.positions.clamp(0, case.cos_sin_cache.shape[0] - 1))
+    ref.stacked_kv_proj(*skipped.args(kc, vc))
+    for got, want, cache in zip((*case.k_backings, *case.v_backings), (*kb, *vb),
+                                (*case.k_caches, *case.v_caches), strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        guard = got.view(torch.uint8)[cache.shape[0] * cache.stride(0) * 2:]
+        assert guard.numel() > 0 and bool((guard == POISON).all())
+    assert compare(case, case.k_caches, case.v_caches).untouched_equal

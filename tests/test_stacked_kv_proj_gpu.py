@@ -273,6 +273,36 @@ def test_swapped_wgmma_split(case_args, monkeypatch):
                   layout, commit_every=5)
 
 
+OUT_OF_RANGE_PLANS = {  # every epilogue (registers, staged) and hand-over
+    "wgmma-m128": {IMPL_ENV: "wgmma", TILE_ENV: "m128"},
+    "wgmma-m64h": {IMPL_ENV: "wgmma", TILE_ENV: "m64h"},
+    "wgmma-streamk": {IMPL_ENV: "wgmma", SCHEDULE_ENV: "streamk", TILE_ENV: "m64"},
+    "wgmma-sw80": {IMPL_ENV: "wgmma", TILE_ENV: "sw80"},
+    "wgmma-sw32-split": {IMPL_ENV: "wgmma", TILE_ENV: "sw32", SPLITS_ENV: "4"},
+    "mma-m64": {IMPL_ENV: "mma", TILE_ENV: "m64"},
+    "mma-swap16-cluster": {IMPL_ENV: "mma", TILE_ENV: "swap16", SPLITS_ENV: "4",
+                           HANDOVER_ENV: "cluster"},
+    "mma-swap16-workspace": {IMPL_ENV: "mma", TILE_ENV: "swap16", SPLITS_ENV: "4",
+                             HANDOVER_ENV: "workspace"},
+}
+
+
+@pytest.mark.parametrize("plan", list(OUT_OF_RANGE_PLANS))
+def test_out_of_range_indices_write_nothing(plan, monkeypatch):
+    """Slots past the caches (into the guard rows behind them, and one at 2^40) and positions
+    outside the cos/sin table skip their rows in every plan: the other rows as the reference,
+    the guard rows untouched, no fault."""
+    env = OUT_OF_RANGE_PLANS[plan]
+    if env[IMPL_ENV] == "wgmma" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma core is sm_90a's")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    tokens = 16 if "swap16" in plan else 100
+    case = make_case(tokens, 1024, 2, 2, 128, "cuda", bias=True, out_of_range=True, seed=5)
+    assert bool((case.cache_loc >= case.k_caches[0].shape[0]).any())
+    _check(case, rounds=1)
+
+
 @pytest.mark.parametrize(("tokens", "splits"), [(1, 8), (16, 5), (40, 3)])
 def test_hand_overs_agree_bitwise(tokens, splits, monkeypatch):
     """Both hand-overs sum the same partials in the same order: identical bytes."""

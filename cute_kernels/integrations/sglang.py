@@ -350,12 +350,16 @@ def _write_per_layer(
             else:
                 out = layer.qkv_proj(x)  # SGLang's linear layers return (output, bias)
                 y = (out[0] if isinstance(out, tuple) else out)[:, layer.kv_rows]
-            table = layer.cos_sin_cache[pos]
+            # a row whose position lies outside the layer's table writes nothing
+            in_table = (pos >= 0) & (pos < layer.cos_sin_cache.shape[0])
+            y, at = y[in_table], slots[in_table]
+            table = layer.cos_sin_cache[pos[in_table]]
             cos = table[:, None, :d // 2].float()
             sin = table[:, None, d // 2:].float()
             k = y[:, :kv].reshape(-1, kv // d, d)
-            k_cache[slots] = reference.k_norm_rope(k, layer.k_norm_weight, layer.eps, cos, sin)
-            v_cache[slots] = y[:, kv:].reshape(-1, kv // d, d)
+            reference.store_rows(
+                k_cache, at, reference.k_norm_rope(k, layer.k_norm_weight, layer.eps, cos, sin))
+            reference.store_rows(v_cache, at, y[:, kv:].reshape(-1, kv // d, d))
 
 
 def write_target_hidden_kv(

@@ -121,14 +121,16 @@ class StackedKvProjBase:
 
     @cute.jit
     def cache_row_base(self, caches: tuple, layer: Int32) -> tuple:
-        """(base address, row stride in bytes) of ``caches[layer]``: a select chain over the
-        L tensor arguments (CTA-uniform)."""
+        """(base address, row stride in bytes, slot count) of ``caches[layer]``: a select
+        chain over the L tensor arguments (CTA-uniform)."""
         base = Int64(0)
         stride = Int64(0)
+        slots = Int64(0)
         for i in cutlass.range_constexpr(self.num_layers):
             base = cutlass.select_(layer == i, caches[i].iterator.toint(), base)
             stride = cutlass.select_(layer == i, Int64(caches[i].stride[0]) * 2, stride)
-        return base, stride
+            slots = cutlass.select_(layer == i, Int64(caches[i].shape[0]), slots)
+        return base, stride, slots
 
     @cute.jit
     def tile_layer(self, tile_n: Int32) -> tuple:
@@ -142,15 +144,17 @@ class StackedKvProjBase:
     def tile_destination(self, tile_n: Int32, k_caches: tuple, v_caches: tuple,
                          tile_col: Int32) -> tuple:
         """Where column ``tile_col`` of weight tile ``tile_n`` goes: (layer, is K, byte address
-        of that column in cache row 0, cache row stride in bytes). A tile lies in one layer's
-        K or V block (``bn | kv``), so all of it is CTA-uniform but ``tile_col``."""
+        of that column in cache row 0, cache row stride in bytes, the cache's slot count). A
+        tile lies in one layer's K or V block (``bn | kv``), so all of it is CTA-uniform but
+        ``tile_col``."""
         layer, in_layer = self.tile_layer(tile_n)
         is_v = in_layer >= self.kv
         col0 = in_layer - cutlass.select_(is_v, Int32(self.kv), Int32(0))  # column in K or V
-        k_base, k_stride = self.cache_row_base(k_caches, layer)
-        v_base, v_stride = self.cache_row_base(v_caches, layer)
+        k_base, k_stride, k_slots = self.cache_row_base(k_caches, layer)
+        v_base, v_stride, v_slots = self.cache_row_base(v_caches, layer)
         base = cutlass.select_(is_v, v_base, k_base) + Int64(col0 + tile_col) * 2
-        return layer, in_layer < self.kv, base, cutlass.select_(is_v, v_stride, k_stride)
+        return (layer, in_layer < self.kv, base, cutlass.select_(is_v, v_stride, k_stride),
+                cutlass.select_(is_v, v_slots, k_slots))
 
     @cute.jit
     def token_slots(self, mLoc: cute.Tensor) -> cute.Tensor:

@@ -171,9 +171,14 @@ class StagedEpilogue:
                     rCommitted: cute.Tensor, rCos: cute.Tensor, rSin: cute.Tensor) -> None:
         """The cos/sin halves of each K row's table row (row 0 for a row that is not
         stored), loaded as soon as the positions are in: before a split tile's hand-over,
-        whose round trips then hide them."""
+        whose round trips then hide them. First, in K and V tiles alike, a row whose position
+        lies outside the table gets slot -1: it is not stored (no read or write leaves its
+        tensor)."""
         half = self.head_dim // 2
         lane_in_head, _, row_first = self.epilogue_thread(tidx)
+        for it in cutlass.range_constexpr(self.rows_per_thread):
+            in_table = (rPos[it] >= 0) & (rPos[it] < Int64(mCosSin.shape[0]))
+            rSlot[it] = cutlass.select_(in_table, rSlot[it], Int64(-1))
         if is_k:
             for it in cutlass.range_constexpr(self.rows_per_thread):
                 valid = self.row_valid(it, tile_m, row_first, num_tokens, rSlot, rCommitted)
@@ -230,7 +235,8 @@ class StagedEpilogue:
         half = self.head_dim // 2
         lane_in_head, head, row_first = self.epilogue_thread(tidx)
         col_lo = head * self.head_dim + lane_in_head * CHUNK  # tile column of the first half
-        _, is_k, base, row_bytes = self.tile_destination(tile_n, k_caches, v_caches, col_lo)
+        _, is_k, base, row_bytes, slots = self.tile_destination(tile_n, k_caches, v_caches,
+                                                                col_lo)
         rBiasF = cute.make_rmem_tensor((2 * CHUNK,), Float32)
         rNormF = cute.make_rmem_tensor((2 * CHUNK,), Float32)
         for h in cutlass.range_constexpr(2):
@@ -249,7 +255,8 @@ class StagedEpilogue:
             own = row_first + it * self.row_step
             row = cutlass.min(own, self.bm - 1)
             valid = self.row_valid(it, tile_m, row_first, num_tokens, rSlot, rCommitted)
-            valid = valid & (own >= row_lo) & (own < row_hi)
+            # a slot past the cache's last row is not stored either
+            valid = valid & (own >= row_lo) & (own < row_hi) & (rSlot[it] < slots)
             for h in cutlass.range_constexpr(2):
                 col = (col_lo + h * half) // CHUNK
                 cute.autovec_copy(cute.local_tile(sC[row, None], (CHUNK,), (col,)), rAcc)

@@ -452,8 +452,15 @@ class StackedKvProjWgmma(WgmmaPipeline, StackedKvProjBase):
         col_base = tCcC[0][1]
         if const_expr(self.split_head):
             col_base = col_base + (tile_n % 2) * (self.head_dim // 4)
-        layer, is_k, base, row_bytes = self.tile_destination(tile_n, k_caches, v_caches,
-                                                             col_base)
+        layer, is_k, base, row_bytes, slots = self.tile_destination(tile_n, k_caches,
+                                                                    v_caches, col_base)
+        # Indices out of range never reach memory: a row whose position lies outside the
+        # cos/sin table (K and V tiles alike) or whose slot is past the cache's last row is
+        # not stored, and reads table row 0.
+        in_table = [(p >= 0) & (p < Int64(mCosSin.shape[0])) for p in positions]
+        rows = [(slot, valid & in_table[r] & (slot < slots))
+                for r, (slot, valid) in enumerate(rows)]
+        positions = [cutlass.select_(in_table[r], p, Int64(0)) for r, p in enumerate(positions)]
         rWord = cute.make_rmem_tensor((1,), Uint32)
         # The rounding helpers are inline PTX, which the compiler keeps in program order with
         # the loads, so a load placed next to the math that uses it waits for its own L2 /
