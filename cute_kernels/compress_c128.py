@@ -731,9 +731,10 @@ def compress_c128(
 ) -> CompressC128Key | None:
     """C128 compress + RMSNorm + RoPE + quantise + paged store, one launch (see the module doc).
 
-    Tokens not on a 128-position boundary, or with a negative ``slot_mapping`` or
-    ``kv_slot_mapping``, write nothing. Launches on the current stream with no host sync and no
-    allocation (CUDA-graph safe). Contract: specs/compress_c128.md."""
+    Tokens not on a 128-position boundary, with a negative ``slot_mapping`` or
+    ``kv_slot_mapping``, or with an index out of range (specs: "Inputs"), write nothing.
+    Launches on the current stream with no host sync and no allocation (CUDA-graph safe).
+    Contract: specs/compress_c128.md."""
     expect_arg(state_cache, "state_cache", (torch.float32,), 3, ALIGN["state_cache"])
     device = state_cache.device
     if tuple(state_cache.shape[1:]) != (C128_STATE_BLOCK, C128_STATE_WIDTH):

@@ -558,7 +558,8 @@ def kv_rope_insert(
     """RoPE + quantise + insert ``kv[:N]`` into the paged ``k_cache`` at ``slot_mapping``.
 
     Same arguments, in the same order, as vLLM's ``fused_deepseek_v4_kv_rope_insert``.
-    ``N = slot_mapping.shape[0]``; negative slots are skipped; nothing else is written. Launches
+    ``N = slot_mapping.shape[0]``; negative slots, slots past the cache and positions outside
+    ``cos_sin_cache`` are skipped; nothing else is written. Launches
     on the current stream with no host sync or allocation (CUDA-graph safe). Contract:
     specs/kv_rope_insert.md.
     """

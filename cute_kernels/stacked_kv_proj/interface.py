@@ -386,7 +386,8 @@ def stacked_kv_proj(
 
     One launch, no intermediate in global memory; launches on the current stream with no host
     sync or allocation (CUDA-graph safe). ``cache_loc_2d`` (with ``commit_lens``) replaces
-    ``cache_loc`` when given; negative slots are skipped. See specs/stacked_kv_proj.md.
+    ``cache_loc`` when given; negative slots, slots past a cache (for that cache) and positions
+    outside ``cos_sin_cache`` are skipped. See specs/stacked_kv_proj.md.
     """
     expect_arg(ctx_hidden, "ctx_hidden", (torch.bfloat16,), 2, ALIGN["ctx_hidden"])
     device = ctx_hidden.device
