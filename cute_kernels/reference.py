@@ -74,6 +74,12 @@ def ue8m0_quantize(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
     return codes, (exponent + 127).clamp(0, 255).to(torch.uint8)
 
 
+def in_table(positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Whether each position is a row of ``table`` (a cos/sin cache): rows whose position is
+    not write nothing, in every kernel."""
+    return (positions >= 0) & (positions < table.shape[0])
+
+
 def _storage_bytes(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """A flat uint8 view of ``t``'s whole storage and ``t``'s byte offset in it."""
     flat = torch.empty(0, dtype=torch.uint8, device=t.device)
@@ -105,8 +111,7 @@ def kv_rope_insert(
     n = slot_mapping.shape[0]
     capacity = k_cache.shape[0] * k_cache.shape[1]
     pos = positions[:n]
-    written = ((slot_mapping >= 0) & (slot_mapping < capacity)
-               & (pos >= 0) & (pos < cos_sin_cache.shape[0]))
+    written = (slot_mapping >= 0) & (slot_mapping < capacity) & in_table(pos, cos_sin_cache)
     tokens = torch.nonzero(written).flatten()
     if tokens.numel() == 0:
         return
@@ -167,7 +172,7 @@ def c128_compressed_tokens(
     start = positions - (C128_RATIO - 1)
     return ((slot_mapping >= 0) & (kv_slot_mapping >= 0) & ((positions + 1) % C128_RATIO == 0)
             & (kv_slot_mapping < k_cache.shape[0] * k_cache.shape[1])
-            & (start >= 0) & (start < cos_sin_cache.shape[0])
+            & in_table(start, cos_sin_cache)
             & (positions < block_table.shape[1] * C128_STATE_BLOCK)
             & (token_to_req >= 0) & (token_to_req < block_table.shape[0]))
 
@@ -328,8 +333,8 @@ def stacked_kv_proj(
     kv = n_kv * head_dim
     rows, slots = stacked_kv_slots(cache_loc, cache_loc_2d, commit_lens)
     # a row whose position lies outside the cos/sin table writes nothing
-    in_table = (positions[rows] >= 0) & (positions[rows] < cos_sin_cache.shape[0])
-    rows, slots = rows[in_table], slots[in_table]
+    keep = in_table(positions[rows], cos_sin_cache)
+    rows, slots = rows[keep], slots[keep]
     if rows.numel() == 0:
         return
     x = ctx_hidden[rows]  # only the rows that write: the GEMM is row-independent

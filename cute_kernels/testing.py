@@ -14,7 +14,7 @@ import torch
 
 from . import reference
 from .layouts import HEAD_DIM, CacheFormat
-from .reference import k_norm_rope, stacked_kv_slots
+from .reference import in_table, k_norm_rope, stacked_kv_slots
 
 #: Every byte of a fresh output backing (0xA5A5 is a finite bf16, ~ -2.9e-16).
 POISON = 0xA5
@@ -405,8 +405,7 @@ class StackedKvProjCase:
         """(rows that write, their slots), from the documented rules (for caches of one slot
         count, as the cases have)."""
         rows, slots = stacked_kv_slots(self.cache_loc, self.cache_loc_2d, self.commit_lens)
-        positions = self.positions[rows]
-        keep = ((positions >= 0) & (positions < self.cos_sin_cache.shape[0])
+        keep = (in_table(self.positions[rows], self.cos_sin_cache)
                 & (slots < self.k_caches[0].shape[0]))
         return rows[keep], slots[keep]
 

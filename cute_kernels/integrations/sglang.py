@@ -351,9 +351,9 @@ def _write_per_layer(
                 out = layer.qkv_proj(x)  # SGLang's linear layers return (output, bias)
                 y = (out[0] if isinstance(out, tuple) else out)[:, layer.kv_rows]
             # a row whose position lies outside the layer's table writes nothing
-            in_table = (pos >= 0) & (pos < layer.cos_sin_cache.shape[0])
-            y, at = y[in_table], slots[in_table]
-            table = layer.cos_sin_cache[pos[in_table]]
+            keep = reference.in_table(pos, layer.cos_sin_cache)
+            y, at = y[keep], slots[keep]
+            table = layer.cos_sin_cache[pos[keep]]
             cos = table[:, None, :d // 2].float()
             sin = table[:, None, d // 2:].float()
             k = y[:, :kv].reshape(-1, kv // d, d)
