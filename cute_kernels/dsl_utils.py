@@ -392,12 +392,6 @@ def store_shared_b32(smem_addr: Int32, value: Any) -> None:
     cute.arch.inline_ptx("st.shared.b32 [{$r0}], {$r1};", read_only_args=[smem_addr, value])
 
 
-def store_shared_v2(smem_addr: Int32, v0: Any, v1: Any) -> None:
-    """Two 32-bit values to an 8-byte aligned shared address, one store."""
-    cute.arch.inline_ptx("st.shared.v2.b32 [{$r0}], {{$r1}, {$r2}};",
-                         read_only_args=[smem_addr, v0, v1])
-
-
 def load_shared_i64(smem_addr: Int32) -> Int64:
     return cute.arch.inline_ptx("ld.shared.b64 {$w0}, [{$r0}];", write_only_types=[Int64],
                                 read_only_args=[smem_addr])

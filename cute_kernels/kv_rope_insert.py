@@ -56,40 +56,40 @@ class KvRopeInsertKey:
 
 
 class KvRopeInsert:
-    """Resident warps striding over the slots; lane ``L`` owns dims ``[16L, 16L + 16)``.
+    """Resident warps striding over the slots, each keeping ``STAGES - 1`` slots' inputs in
+    flight while it rotates, quantises and stores the current one: the slot and the cos/sin
+    row in a ``cp.async`` ring in shared memory, and the kv row either there too (the packed
+    formats, :meth:`ring_loop`) or in a register ring (bf16 and fp8, :meth:`register_loop`).
+    The slot and position of the warp's next 32 slots are loaded a chunk ahead (one per lane),
+    so the cos/sin row of a slot is requested together with its kv row: nothing waits on a
+    chain of dependent loads.
 
-    Lanes 0..27 hold NoPE dims, lanes 28..31 the 64 RoPE dims; the quantising formats rotate
-    the 32 GPT-J pairs one per lane in the shared-memory stage first (:meth:`rotate_rope`),
-    and the bf16 record leaves from chunks L and 32 + L of lane L (:meth:`store_bf16`). A
-    group max is a butterfly over the lanes of one quantisation group (4 lanes = 64 dims for
-    V4, 2 lanes = 32 dims for V4.1).
-
-    Each warp keeps ``STAGES - 1`` slots' inputs in flight in a ``cp.async`` ring in shared
-    memory while it rotates, quantises and stores the current one. The slot and position of
-    the warp's next 32 slots are loaded a chunk ahead (one per lane), so the cos/sin row of a
-    slot is requested together with its kv row: nothing waits on a chain of dependent loads,
-    and the bytes in flight per SM do not depend on registers.
+    Packed formats: lane ``L`` owns dims ``[16L, 16L + 16)`` (lanes 28..31 the 64 RoPE dims);
+    the 32 GPT-J pairs are rotated one per lane in the stage first (:meth:`rotate_rope`), and
+    a group max is a butterfly over the lanes of one quantisation group (4 lanes = 64 dims for
+    V4, 2 lanes = 32 dims for V4.1). bf16 and fp8: lane ``L`` holds chunks ``L`` and
+    ``32 + L`` of the row (each load and store instruction 512 contiguous bytes), and lanes
+    24..31, whose second chunks are the RoPE dims, rotate 4 pairs each (:meth:`rotated_rope`).
     """
 
     WARPS_PER_CTA = 8
-    # 32 resident warps x 3 slots ahead keep about 120 KiB per SM in flight (a fifth stage,
+    # 32 resident warps x 3 slots ahead keep about 100-120 KiB per SM in flight (a fifth stage,
     # 160 KiB, measured no faster once the quantising formats' instructions were cut). 4 CTAs
     # of 256 threads leave ptxas 64 registers a thread.
     CTAS_PER_SM = 4
-    STAGES = 4  # bf16 holds 8 registers a stage: 4 stages fit 64 registers without spilling
+    STAGES = 4  # a register ring's row is 8 registers a stage: 4 stages fit 64 registers
     HEADER_BYTES = 16  # the slot (int64), padded so that the row starts 16-byte aligned
     ROW_BYTES = 2 * HEAD_DIM  # the bf16 kv row
     CS_BYTES = 4 * ROPE_DIM  # a cos/sin row: 32 cos then 32 sin (fp32)
-    DIMS_PER_LANE = HEAD_DIM // 32
+    DIMS_PER_LANE = HEAD_DIM // 32  # packed formats
     ROPE_FIRST_LANE = NOPE_DIM // DIMS_PER_LANE  # 28
-    # bf16 stores chunks L and 32 + L from lane L: the RoPE dims are chunks 56..63
-    BF16_ROPE_FIRST_LANE = NOPE_DIM // 8 - 32
-    STAGE_BYTES = HEADER_BYTES + ROW_BYTES + CS_BYTES
-    RING_BYTES = WARPS_PER_CTA * STAGES * STAGE_BYTES
+    CHUNK_DIMS = 8  # bf16 and fp8: lane L holds chunks L and 32 + L, 8 dims each
+    HALF_DIMS = 32 * CHUNK_DIMS
+    # the RoPE dims are chunks 56..63: the second chunks of lanes 24..31
+    CHUNK_ROPE_FIRST_LANE = NOPE_DIM // CHUNK_DIMS - 32
     # Shared memory of an SM on sm_90 and sm_100 is 228 KiB, carved out of the 256 KiB it shares
-    # with L1: ask for what the resident CTAs' rings need (plus the 1 KiB the driver reserves
-    # per CTA) and leave the rest to L1.
-    SMEM_CARVEOUT_PERCENT = -(-100 * CTAS_PER_SM * (RING_BYTES + 1024) // (228 * 1024))
+    # with L1.
+    SMEM_BYTES_PER_SM = 228 * 1024
 
     def __init__(self, fmt: CacheFormat) -> None:
         self.fmt = fmt
@@ -98,6 +98,18 @@ class KvRopeInsert:
         self.group_lanes = fmt.group // self.DIMS_PER_LANE
         self.data_bytes = fmt.data_bytes
         self.scale_bytes = fmt.scale_bytes
+        # Measured (H200, 2026-12-03): the register ring is 2-3 % faster for fp8 at T >=
+        # 65536 and as fast for bf16; the packed formats, whose lanes would hold two
+        # quantisation groups each, measured slower on it (V4 by 2-9 %, V4.1 by up to 5 % at
+        # T <= 65536: PERF.md).
+        self.row_in_ring = fmt.packed
+        self.stage_bytes = self.HEADER_BYTES + self.CS_BYTES + (
+            self.ROW_BYTES if self.row_in_ring else 0)
+        self.ring_bytes = self.WARPS_PER_CTA * self.STAGES * self.stage_bytes
+        # ask for what the resident CTAs' rings need (plus the 1 KiB the driver reserves per
+        # CTA) and leave the rest to L1
+        self.smem_carveout_percent = -(-100 * self.CTAS_PER_SM * (self.ring_bytes + 1024)
+                                       // self.SMEM_BYTES_PER_SM)
 
     @cute.jit
     def __call__(
@@ -119,7 +131,7 @@ class KvRopeInsert:
             stream=stream,
             use_pdl=True,  # overlap our launch with the tail of the previous kernel
             min_blocks_per_mp=self.CTAS_PER_SM,
-            preferred_smem_carveout=self.SMEM_CARVEOUT_PERCENT,
+            preferred_smem_carveout=self.smem_carveout_percent,
         )
 
     @cute.kernel
@@ -137,63 +149,82 @@ class KvRopeInsert:
         cta, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
         smem = cutlass.memory.SmemAllocator()
-        sRing = smem.allocate_tensor(Uint8, cute.make_layout(self.RING_BYTES), byte_alignment=16)
-        ring = Int32(sRing.iterator.toint()) + warp * (self.STAGES * self.STAGE_BYTES)
+        sRing = smem.allocate_tensor(Uint8, cute.make_layout(self.ring_bytes), byte_alignment=16)
+        ring = Int32(sRing.iterator.toint()) + warp * (self.STAGES * self.stage_bytes)
         num_slots = mSlot.shape[0]
         # Slot t goes to warp t mod (all warps): at any moment the warps read one contiguous
         # stretch of kv rows (measured 1-2 % faster than contiguous ranges per warp).
         first = cta * self.WARPS_PER_CTA + warp
         stride = num_ctas * self.WARPS_PER_CTA
         items = cutlass.select_(first < num_slots, (num_slots - 1 - first) // stride + 1, 0)
-        # (slot, position) of item 32c + lane of the chunk being fetched, then of the next one
+        # (slot, -, next slot, next position) of item 32c + lane of the chunk being fetched and
+        # of the next one; the position of the one being fetched, checked, in 32 bits
         tCrChunk = cute.make_rmem_tensor((4,), Int64)
+        tCrPos = cute.make_rmem_tensor((1,), Int32)
         # PDL: nothing before this reads memory the previous kernel may still be writing.
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
         self.load_chunk(mSlot, mPos, tCrChunk, lane, 0, first, stride, items)
-        if const_expr(self.fmt is CacheFormat.BF16):
-            self.bf16_loop(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, ring, first, stride,
-                           items, lane)
+        if const_expr(self.row_in_ring):
+            self.ring_loop(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, tCrPos, ring, first,
+                           stride, items, lane)
         else:
-            self.quantizing_loop(mKV, mSlot, mPos, mCosSin, mCache, mScale, tCrChunk, ring,
-                                 first, stride, items, lane)
+            self.register_loop(mKV, mSlot, mPos, mCosSin, mCache, mScale, tCrChunk, tCrPos,
+                               ring, first, stride, items, lane)
 
     @cute.jit
-    def bf16_loop(
+    def register_loop(
         self, mKV: cute.Tensor, mSlot: cute.Tensor, mPos: cute.Tensor, mCosSin: cute.Tensor,
-        mCache: cute.Tensor, tCrChunk: cute.Tensor, ring: Int32, first: Int32, stride: Int32,
-        items: Int32, lane: Int32,
+        mCache: cute.Tensor, mScale: cute.Tensor | None, tCrChunk: cute.Tensor,
+        tCrPos: cute.Tensor, ring: Int32, first: Int32, stride: Int32, items: Int32,
+        lane: Int32,
     ) -> None:
-        """The bf16 record: each lane's two chunks of a kv row go global -> registers -> global
-        (the row never passes through shared memory; the ring holds the header and the
-        cos/sin row). The loop is unrolled by STAGES so that each slot's registers are a
+        """The bf16 and fp8 records: each lane's two chunks of a kv row go global -> registers
+        -> global (the row never passes through shared memory; the ring holds the header and
+        the cos/sin row). The loop is unrolled by STAGES so that each slot's registers are a
         static ring index."""
+        fp8_scale = Float32(1.0)
+        if const_expr(self.fmt is CacheFormat.FP8):
+            fp8_scale = mScale[0]
         tKrK = cute.make_rmem_tensor((self.STAGES * 8,), Uint32)
         for ahead in cutlass.range_constexpr(self.STAGES - 1):
             if ahead < items:
-                self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, ring, ahead, first,
-                           stride, items, lane)
+                self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, tCrPos, ring, ahead,
+                           first, stride, items, lane)
                 self.load_row_words(mKV, tKrK, ahead, ahead, first, stride, lane)
             du.cp_async_commit()
+        # fp8: after the first copies are on their way (so that neither the scale's load nor
+        # the 64-bit division of divisor_magic delays them), once per thread: the multiply-
+        # shift by the block size and 1 / scale. bf16 keeps the 64-bit division (the
+        # multiply-shift's registers made ptxas spill).
+        block_magic = None
+        fp8_inv_scale = Float32(1.0)
+        if const_expr(self.fmt is CacheFormat.FP8):
+            block_magic = du.divisor_magic(Int32(mCache.shape[1]))
+            fp8_inv_scale = du.div_rn(Float32(1.0), fp8_scale)
         for base in cutlass.range(0, items, self.STAGES, unroll=1):
             for k in cutlass.range_constexpr(self.STAGES):
                 i = base + k
                 ahead = i + self.STAGES - 1
                 if ahead < items:
-                    self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, ring, ahead, first,
-                               stride, items, lane)
+                    self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, tCrPos, ring, ahead,
+                               first, stride, items, lane)
                     self.load_row_words(mKV, tKrK, (k + self.STAGES - 1) % self.STAGES, ahead,
                                         first, stride, lane)
                 du.cp_async_commit()  # one group per item: group i is the oldest pending
                 if i < items:
                     du.cp_async_wait(self.STAGES - 1)
                     cute.arch.sync_warp()  # the copies and lane 0's header are visible
-                    stage = ring + k * self.STAGE_BYTES
+                    stage = ring + k * self.stage_bytes
                     slot = du.load_shared_i64(stage)
                     if slot >= 0:  # the same in every lane
-                        # the 64-bit division: the multiply-shift's registers made ptxas spill
-                        page, row = self.record_of(mCache, None, slot)
-                        self.store_bf16(stage, tKrK, k, page + row * mCache.stride[1], lane)
+                        page, row = self.record_of(mCache, block_magic, slot)
+                        tXrW = words(tKrK, 8 * k, 8)
+                        row_addr = page + row * mCache.stride[1]
+                        if const_expr(self.fmt is CacheFormat.BF16):
+                            self.store_bf16(stage, tXrW, row_addr, lane)
+                        else:
+                            self.store_fp8(stage, tXrW, fp8_inv_scale, row_addr, lane)
                     cute.arch.sync_warp()  # every lane is done with the stage
 
     @cute.jit
@@ -208,56 +239,36 @@ class KvRopeInsert:
                 tKrK[8 * reg_stage + 4 * half + w] = words[w]
 
     @cute.jit
-    def quantizing_loop(
+    def ring_loop(
         self, mKV: cute.Tensor, mSlot: cute.Tensor, mPos: cute.Tensor, mCosSin: cute.Tensor,
-        mCache: cute.Tensor, mScale: cute.Tensor | None, tCrChunk: cute.Tensor, ring: Int32,
+        mCache: cute.Tensor, tCrChunk: cute.Tensor, tCrPos: cute.Tensor, ring: Int32,
         first: Int32, stride: Int32, items: Int32, lane: Int32,
     ) -> None:
-        """The fp8 and packed records: the kv row through the ring, 16 dims a lane."""
-        fp8_scale = Float32(1.0)
-        if const_expr(self.fmt is CacheFormat.FP8):
-            fp8_scale = mScale[0]
+        """The packed records: the kv row through the ring, 16 dims a lane."""
         for ahead in cutlass.range_constexpr(self.STAGES - 1):
             if ahead < items:
-                self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, ring, ahead, first,
-                           stride, items, lane)
+                self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, tCrPos, ring, ahead,
+                           first, stride, items, lane)
             du.cp_async_commit()
-        # Once per thread, after the first copies are on their way (so that neither the scale's
-        # load nor the 64-bit division of divisor_magic delays them): the block size's
-        # multiply-shift and the fp8 cache's 1 / scale.
+        # Once per thread, after the first copies are on their way (so that the 64-bit
+        # division of divisor_magic does not delay them): the block size's multiply-shift.
         block_magic = du.divisor_magic(Int32(mCache.shape[1]))
-        fp8_inv_scale = Float32(1.0)
-        if const_expr(self.fmt is CacheFormat.FP8):
-            fp8_inv_scale = du.div_rn(Float32(1.0), fp8_scale)
         for i in cutlass.range(items, unroll=1):
             ahead = i + self.STAGES - 1
             if ahead < items:
-                self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, ring, ahead, first,
-                           stride, items, lane)
+                self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, tCrPos, ring, ahead,
+                           first, stride, items, lane)
             du.cp_async_commit()  # one group per item: group i is the oldest pending
             du.cp_async_wait(self.STAGES - 1)
             cute.arch.sync_warp()  # every lane's copies and lane 0's header are visible
-            stage = ring + (i % self.STAGES) * self.STAGE_BYTES
+            stage = ring + (i % self.STAGES) * self.stage_bytes
             slot = du.load_shared_i64(stage)
-            is_rope_lane = lane >= self.ROPE_FIRST_LANE
             if slot >= 0:  # the same in every lane
                 page, row = self.record_of(mCache, block_magic, slot)
                 self.rotate_rope(stage, lane)
                 cute.arch.sync_warp()  # the rotated pairs are visible to every lane
-                tXrF = self.load_row(stage, lane)
-                if const_expr(self.fmt is CacheFormat.FP8):
-                    if is_rope_lane:  # the fp32 rotated pairs, not their bf16 rounding
-                        rotated = self.rotated_rope_dims(stage, lane)
-                        for part in cutlass.range_constexpr(self.DIMS_PER_LANE // 4):
-                            words = du.load_shared_v4(rotated + 16 * part, Float32)
-                            for w in cutlass.range_constexpr(4):
-                                tXrF[4 * part + w] = words[w]
-                if const_expr(self.fmt.packed):
-                    self.store_packed(stage, tXrF, page, row, Int64(mCache.shape[1]), lane,
-                                      is_rope_lane)
-                else:
-                    self.store_fp8(tXrF, fp8_inv_scale,
-                                   page + row * mCache.stride[1] + lane * self.DIMS_PER_LANE)
+                self.store_packed(stage, self.load_row(stage, lane), page, row,
+                                  Int64(mCache.shape[1]), lane, lane >= self.ROPE_FIRST_LANE)
             cute.arch.sync_warp()  # every lane is done with the stage before it is refilled
 
     @cute.jit
@@ -307,13 +318,9 @@ class KvRopeInsert:
         return stage + self.HEADER_BYTES + 16 * (chunk ^ ((chunk >> 3) & 1))
 
     def cos_sin_row(self, stage: Int32) -> Int32:
-        """The 256-byte cos/sin row of ``stage`` (32 cos, then 32 sin, fp32)."""
-        return stage + self.HEADER_BYTES + self.ROW_BYTES
-
-    def rotated_rope_dims(self, stage: Int32, lane: Int32) -> Int32:
-        """Where a RoPE lane's 16 rotated fp32 values lie in ``stage`` after the fp8 format's
-        :meth:`rotate_rope`: its 64 bytes of the cos/sin row."""
-        return self.cos_sin_row(stage) + (lane - self.ROPE_FIRST_LANE) * 4 * self.DIMS_PER_LANE
+        """The 256-byte cos/sin row of ``stage`` (32 cos, then 32 sin, fp32), after the kv row
+        where the ring holds it."""
+        return stage + self.HEADER_BYTES + (self.ROW_BYTES if self.row_in_ring else 0)
 
     @cute.jit
     def load_chunk(
@@ -334,16 +341,17 @@ class KvRopeInsert:
     @cute.jit
     def fetch(
         self, mKV: cute.Tensor, mSlot: cute.Tensor, mPos: cute.Tensor, mCosSin: cute.Tensor,
-        mCache: cute.Tensor, tCrChunk: cute.Tensor, ring: Int32, item: Int32, first: Int32,
-        stride: Int32, items: Int32, lane: Int32,
+        mCache: cute.Tensor, tCrChunk: cute.Tensor, tCrPos: cute.Tensor, ring: Int32,
+        item: Int32, first: Int32, stride: Int32, items: Int32, lane: Int32,
     ) -> None:
         """Start the copies of item ``item``'s inputs into ring stage ``item % STAGES``: the
-        slot (from the chunk registers) as the header, the kv row (each instruction 512
-        contiguous bytes: whole sectors), and for a slot that is written its cos/sin row."""
-        stage = ring + (item % self.STAGES) * self.STAGE_BYTES
+        slot (from the chunk registers) as the header, the kv row where the ring holds it
+        (each instruction 512 contiguous bytes: whole sectors), and for a slot that is
+        written its cos/sin row."""
+        stage = ring + (item % self.STAGES) * self.stage_bytes
         # the kv row first: its address needs no load (the first slots' copies start while the
         # chunk's slot/position loads are still in flight)
-        if const_expr(self.fmt is not CacheFormat.BF16):  # bf16: load_row_words
+        if const_expr(self.row_in_ring):  # else load_row_words
             row = mKV.iterator.toint() + Int64(first + item * stride) * self.ROW_BYTES
             for half in cutlass.range_constexpr(2):
                 chunk = 32 * half + lane
@@ -356,48 +364,47 @@ class KvRopeInsert:
             in_range = ((slot_ahead < Int64(mCache.shape[0]) * Int64(mCache.shape[1]))
                         & (position_ahead >= 0) & (position_ahead < Int64(mCosSin.shape[0])))
             tCrChunk[0] = cutlass.select_(in_range, slot_ahead, Int64(-1))
-            tCrChunk[1] = position_ahead
+            tCrPos[0] = Int32(position_ahead)  # in [0, max_pos) where it is used
             self.load_chunk(mSlot, mPos, tCrChunk, lane, item + 32, first, stride, items)
         slot = cute.arch.shuffle_sync(tCrChunk[0], offset=item % 32)
-        position = cute.arch.shuffle_sync(tCrChunk[1], offset=item % 32)
+        position = cute.arch.shuffle_sync(tCrPos[0], offset=item % 32)
         if lane == 0:
             du.store_shared_i64(stage, slot)  # the position is only needed for cos/sin, here
         cs_lane = lane - (32 - self.CS_BYTES // 16)
         if (cs_lane >= 0) & (slot >= 0):  # a skipped row's position: any value
             # the 256-byte row as is, by the last 16 lanes in one instruction (whole sectors)
-            table = mCosSin.iterator.toint() + position * (4 * ROPE_DIM)
+            table = mCosSin.iterator.toint() + Int64(position) * (4 * ROPE_DIM)
             du.cp_async_16(self.cos_sin_row(stage) + 16 * cs_lane, table + 16 * cs_lane)
 
     @cute.jit
     def rotate_rope(self, stage: Int32, lane: Int32) -> None:
-        """Lane ``j`` rotates GPT-J pair ``j`` (dims 448 + 2j, + 1) of the stage's row with its
-        cos/sin (every lane one pair, where 4 RoPE lanes rotating 8 pairs each cost the warp
-        8 rounds), and writes the result back into the stage: bf16 (RNE) into the row, or for
-        the fp8 cache the fp32 pair over the cos/sin row, where :meth:`rotated_rope_dims`
-        finds the RoPE lanes' 16 rotated values. The caller syncs the warp after."""
+        """Packed formats: lane ``j`` rotates GPT-J pair ``j`` (dims 448 + 2j, + 1) of the
+        stage's row with its cos/sin (every lane one pair, where 4 RoPE lanes rotating 8 pairs
+        each cost the warp 8 rounds), and writes the result back into the row, bf16 (RNE). The
+        caller syncs the warp after."""
         cs = self.cos_sin_row(stage)
         pair_chunk = self.row_chunk(stage, (NOPE_DIM * 2 + 4 * lane) // 16) + 4 * (lane % 4)
         x_even, x_odd = du.unpack_bf16x2(du.load_shared_b32(pair_chunk))
         cos = du.load_shared_b32(cs + 4 * lane, Float32)
         sin = du.load_shared_b32(cs + self.CS_BYTES // 2 + 4 * lane, Float32)
         rot_even, rot_odd = du.rotate_pair(x_even, x_odd, cos, sin)
-        if const_expr(self.fmt is CacheFormat.FP8):
-            cute.arch.sync_warp()  # every lane has read its cos/sin before they are overwritten
-            du.store_shared_v2(cs + 8 * lane, rot_even, rot_odd)
-        else:
-            du.store_shared_b32(pair_chunk, du.pack_bf16x2(rot_even, rot_odd))
+        du.store_shared_b32(pair_chunk, du.pack_bf16x2(rot_even, rot_odd))
 
     @cute.jit
-    def apply_rope(self, tXrF: cute.Tensor, cos: Int32, pairs: int) -> None:
-        """GPT-J rotation of this lane's ``pairs`` pairs with their cos values at shared
-        address ``cos`` (and sin values CS_BYTES / 2 after), in rounds of 4 pairs (fewer live
-        registers)."""
-        for part in cutlass.range_constexpr(pairs // 4):
-            tCrC = du.load_shared_v4(cos + 16 * part, Float32)
-            tCrS = du.load_shared_v4(cos + self.CS_BYTES // 2 + 16 * part, Float32)
-            for j in cutlass.range_constexpr(4):
-                e = 2 * (4 * part + j)
-                tXrF[e], tXrF[e + 1] = du.rotate_pair(tXrF[e], tXrF[e + 1], tCrC[j], tCrS[j])
+    def rotated_rope(self, stage: Int32, tXrW: cute.Tensor, lane: Int32) -> cute.Tensor:
+        """bf16 and fp8: a RoPE lane's (24..31) second chunk (words 4..7 of ``tXrW``: dims
+        ``256 + 8L ..``, GPT-J pairs ``4(L - 24) ..``) rotated with its cos/sin from
+        ``stage``, as 8 fp32."""
+        tXrF = cute.make_rmem_tensor((self.CHUNK_DIMS,), Float32)
+        for w in cutlass.range_constexpr(4):
+            tXrF[2 * w], tXrF[2 * w + 1] = du.unpack_bf16x2(tXrW[4 + w])
+        cos = self.cos_sin_row(stage) + 16 * (lane - self.CHUNK_ROPE_FIRST_LANE)
+        tCrC = du.load_shared_v4(cos, Float32)
+        tCrS = du.load_shared_v4(cos + self.CS_BYTES // 2, Float32)
+        for j in cutlass.range_constexpr(4):
+            tXrF[2 * j], tXrF[2 * j + 1] = du.rotate_pair(tXrF[2 * j], tXrF[2 * j + 1],
+                                                          tCrC[j], tCrS[j])
+        return tXrF
 
     @cute.jit
     def quantize_group(self, tXrF: cute.Tensor, tXrQ: cute.Tensor) -> Int32:
@@ -459,40 +466,50 @@ class KvRopeInsert:
             ptr.store(Uint8(scale_byte))
 
     @cute.jit
-    def store_bf16(self, stage: Int32, tKrK: cute.Tensor, reg_stage: int, row_addr: Int64,
-                   lane: Int32) -> None:
-        """Register stage ``reg_stage`` (chunks L and 32 + L of the row) to the cache row: each
-        store instruction writes 512 contiguous bytes; the NoPE dims leave as their input
-        bits, and lanes 24..31 rotate the RoPE dims of their second chunk (4 GPT-J pairs
-        each, cos/sin from ``stage``) and round them to bf16 (RNE) on the way."""
-        for half in cutlass.range_constexpr(2):
-            tXrW = cute.make_rmem_tensor((4,), Uint32)
+    def store_bf16(self, stage: Int32, tXrW: cute.Tensor, row_addr: Int64, lane: Int32) -> None:
+        """A slot's words (chunks L and 32 + L) to the cache row: each store instruction writes
+        512 contiguous bytes; the NoPE dims leave as their input bits, and lanes 24..31 rotate
+        the RoPE dims of their second chunk and round them to bf16 (RNE) on the way."""
+        if lane >= self.CHUNK_ROPE_FIRST_LANE:
+            tXrF = self.rotated_rope(stage, tXrW, lane)
             for w in cutlass.range_constexpr(4):
-                tXrW[w] = tKrK[8 * reg_stage + 4 * half + w]
-            if const_expr(half == 1):
-                if lane >= self.BF16_ROPE_FIRST_LANE:
-                    tXrF = cute.make_rmem_tensor((8,), Float32)
-                    for w in cutlass.range_constexpr(4):
-                        tXrF[2 * w], tXrF[2 * w + 1] = du.unpack_bf16x2(tXrW[w])
-                    cos = self.cos_sin_row(stage) + 16 * (lane - self.BF16_ROPE_FIRST_LANE)
-                    self.apply_rope(tXrF, cos, 4)
-                    for w in cutlass.range_constexpr(4):
-                        tXrW[w] = du.pack_bf16x2(tXrF[2 * w], tXrF[2 * w + 1])
-            du.store_words(row_addr + 16 * (32 * half + lane), tXrW)
+                tXrW[4 + w] = du.pack_bf16x2(tXrF[2 * w], tXrF[2 * w + 1])
+        for half in cutlass.range_constexpr(2):
+            du.store_words(row_addr + 16 * (32 * half + lane), words(tXrW, 4 * half, 4))
 
     @cute.jit
-    def store_fp8(self, tXrF: cute.Tensor, inv_scale: Float32, row_addr: Int64) -> None:
+    def store_fp8(self, stage: Int32, tXrW: cute.Tensor, inv_scale: Float32, row_addr: Int64,
+                  lane: Int32) -> None:
         """e4m3(clamp(x * inv_scale)), ``inv_scale = fl32(1 / scale)``, from fp32 (the RoPE dims
-        are not rounded first)."""
-        tXrQ = cute.make_rmem_tensor((self.DIMS_PER_LANE // 4,), Uint32)
-        for w in cutlass.range_constexpr(self.DIMS_PER_LANE // 4):
-            tXrQ[w] = du.pack_e4m3x4(
-                du.mul_rn(tXrF[4 * w], inv_scale),
-                du.mul_rn(tXrF[4 * w + 1], inv_scale),
-                du.mul_rn(tXrF[4 * w + 2], inv_scale),
-                du.mul_rn(tXrF[4 * w + 3], inv_scale),
-            )
-        du.store_words(row_addr, tXrQ)
+        are not rounded first); each store instruction writes 256 contiguous bytes."""
+        tXrF = cute.make_rmem_tensor((2 * self.CHUNK_DIMS,), Float32)
+        for w in cutlass.range_constexpr(8):
+            tXrF[2 * w], tXrF[2 * w + 1] = du.unpack_bf16x2(tXrW[w])
+        if lane >= self.CHUNK_ROPE_FIRST_LANE:
+            tXrR = self.rotated_rope(stage, tXrW, lane)
+            for d in cutlass.range_constexpr(self.CHUNK_DIMS):
+                tXrF[self.CHUNK_DIMS + d] = tXrR[d]
+        for half in cutlass.range_constexpr(2):
+            tXrQ = cute.make_rmem_tensor((2,), Uint32)
+            for w in cutlass.range_constexpr(2):
+                e = self.CHUNK_DIMS * half + 4 * w
+                tXrQ[w] = du.pack_e4m3x4(
+                    du.mul_rn(tXrF[e], inv_scale),
+                    du.mul_rn(tXrF[e + 1], inv_scale),
+                    du.mul_rn(tXrF[e + 2], inv_scale),
+                    du.mul_rn(tXrF[e + 3], inv_scale),
+                )
+            du.store_words(row_addr + self.HALF_DIMS * half + self.CHUNK_DIMS * lane, tXrQ,
+                           align=8)
+
+
+def words(tXrW: cute.Tensor, start: int, count: int) -> cute.Tensor:
+    """Register words ``[start, start + count)`` of ``tXrW`` as a tensor of their own (what a
+    vector store takes; the copies are register renames)."""
+    tXrV = cute.make_rmem_tensor((count,), Uint32)
+    for w in range(count):  # plain helper: unrolled at trace time
+        tXrV[w] = tXrW[start + w]
+    return tXrV
 
 
 def _build(key: KvRopeInsertKey):

@@ -105,6 +105,31 @@ def kv_rope_insert_case(
                             block_size, scale, mxfp8)
 
 
+def extreme_kv_rows(kv: torch.Tensor, seed: int = 7) -> None:
+    """Overwrite ``kv``'s rows (bf16 ``[T, 512]``) in place with the magnitudes a quantiser
+    must get right bit for bit, cycling over the rows: every power-of-two scale of the
+    normal rows from bf16's subnormals (2^-133) to 2^100; zero rows; rows below the UE8M0
+    floor (1e-4); and rows whose 16-dim runs each hold one spike at the 1.75 x 2^k boundary
+    of the exponent rule, one bf16 step above it, or of either sign next to tiny values."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    rows, width = kv.shape
+    base = torch.randn(rows, width, generator=gen)
+    scale = torch.pow(2.0, torch.arange(rows) % 234 - 133.0)
+    out = base * scale[:, None]
+    kind = torch.arange(rows) % 7
+    out[kind == 1] = 0.0
+    out[kind == 2] = base[kind == 2] * 3e-5
+    spikes = kind >= 3
+    if bool(spikes.any()):
+        k = (torch.arange(rows)[spikes] % 40 - 20).to(torch.float32)
+        boundary = torch.tensor([1.75, 1.7578125, -1.75, -1.7578125])
+        spike = boundary[kind[spikes] - 3][:, None] * torch.pow(2.0, k)[:, None]
+        row = base[spikes] * 1e-3
+        row[:, ::16] = spike
+        out[spikes] = row
+    kv.copy_(out.to(torch.bfloat16))
+
+
 # -- compress_c128 -------------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ from cute_kernels import reference
 from cute_kernels.arch import sm_count
 from cute_kernels.kv_rope_insert import KvRopeInsert
 from cute_kernels.layouts import CacheFormat
+from cute_kernels.testing import extreme_kv_rows
 from cute_kernels.testing import kv_rope_insert_case as make_case
 
 FORMATS = [f.value for f in CacheFormat]
@@ -131,3 +132,19 @@ def test_no_slots_launches_nothing():
                                 case.cos_sin_cache, 64)
     torch.cuda.synchronize()
     assert bool((case.backing.view(torch.uint8) == 0xA5).all())
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_byte_exact_at_extreme_magnitudes(fmt):
+    """Group maxima across the whole bf16 range (subnormal to 2^100, zero, below the 1e-4
+    floor, on and beside the 1.75 x 2^k boundary of the exponent rule): the kernel's bf16-pair
+    maxima and power-of-two scaling give the reference's codes and scale bytes."""
+    case = make_case(fmt, 4000, 64, "cuda", skip_every=0)
+    extreme_kv_rows(case.kv)
+    ref_backing, ref_cache = case.twin()
+    reference.kv_rope_insert(*case.args(ref_cache))
+    cute_kernels.kv_rope_insert(*case.args())
+    torch.cuda.synchronize()
+    got, want = case.backing.view(torch.uint8), ref_backing.view(torch.uint8)
+    mismatch = (got != want).nonzero()
+    assert mismatch.numel() == 0, f"{mismatch.numel()} bytes differ, first at {mismatch[:8]}"
