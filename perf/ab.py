@@ -159,14 +159,15 @@ def _run(version: str, old: Path, cache: Path, cells: list[Cell], replays: int) 
 
 def table(runs: dict[str, list[dict]]) -> str:
     """Per cell: each version's best (worst) µs over its rounds, new / old of the bests, plans,
-    and whether every output hash of the cell agrees."""
+    and whether every output hash of the cell agrees (where not, each version's hashes in
+    round order, so that a run that differs is named)."""
     times: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    hashes: dict[str, set[str]] = defaultdict(set)
+    hashes: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
     plans: dict[str, dict[str, str]] = defaultdict(dict)
     for version, rows in runs.items():
         for r in rows:
             times[r["cell"]][version].append(r["us"])
-            hashes[r["cell"]].add(r["sha"])
+            hashes[r["cell"]][version].append(r["sha"])
             plans[r["cell"]][version] = r["plan"]
     lines = [f"{'cell':<34}{'old':>16}{'new':>16}{'new/old':>9}  outputs  plan (old -> new)"]
     for cell, by in times.items():
@@ -175,8 +176,12 @@ def table(runs: dict[str, list[dict]]) -> str:
         cols = "".join(f"{min(v):8.2f} ({max(v):5.1f})" if v else f"{'-':>16}"
                        for v in (old, new))
         plan = " -> ".join(dict.fromkeys(plans[cell].get(v, "") for v in ("old", "new")))
-        same = "SAME" if len(hashes[cell]) == 1 else "DIFF"
+        by_version = hashes[cell]
+        same = "SAME" if len({h for v in by_version.values() for h in v}) == 1 else "DIFF"
         lines.append(f"{cell:<34}{cols}{ratio}  {same:<7}  {plan}")
+        if same == "DIFF":
+            lines.append("    hashes: " + "; ".join(
+                f"{v} {' '.join(by_version[v])}" for v in ("old", "new") if v in by_version))
     return "\n".join(lines)
 
 

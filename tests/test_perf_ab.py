@@ -36,10 +36,11 @@ def test_table_compares_bests_and_outputs() -> None:
                     {"cell": "stacked:tp1:256", "us": 50.0, "plan": "m64 dp", "sha": "b"}],
             "new": [{"cell": "kv:bf16:16", "us": 9.0, "plan": "", "sha": "a"},
                     {"cell": "stacked:tp1:256", "us": 40.0, "plan": "m128 dp", "sha": "c"}]}
-    kv, stacked = ab.table(runs).splitlines()[1:]
+    kv, stacked, stacked_hashes = ab.table(runs).splitlines()[1:]
     assert kv.split()[:6] == ["kv:bf16:16", "10.00", "(", "12.0)", "9.00", "("]
     assert "0.900  SAME" in kv
     assert "0.800  DIFF" in stacked and stacked.endswith("m64 dp -> m128 dp")
+    assert stacked_hashes.strip() == "hashes: old b; new c"  # which run differed
 
 
 def test_each_worker_imports_its_own_package(tmp_path) -> None:
