@@ -11,7 +11,7 @@ import torch
 
 from cute_kernels import reference
 from cute_kernels.layouts import NOPE_DIM, CacheFormat
-from cute_kernels.testing import POISON
+from cute_kernels.testing import POISON, extreme_kv_rows
 from cute_kernels.testing import kv_rope_insert_case as make_case
 
 FORMATS = [f.value for f in CacheFormat]
@@ -83,9 +83,15 @@ def _bytes(case, start: torch.Tensor, length: int) -> torch.Tensor:
     return flat[start.unsqueeze(1) + torch.arange(length)]
 
 
+@pytest.mark.parametrize("extreme", [False, True])
 @pytest.mark.parametrize("fmt", ["v4_packed", "v41_mxfp8"])
-def test_packed_records_dequantise_to_the_input(fmt):
-    case = make_case(fmt, 200, 64, "cpu")
+def test_packed_records_dequantise_to_the_input(fmt, extreme):
+    """Every written record decodes to its input within e4m3's step; ``extreme``: the rows of
+    ``extreme_kv_rows`` (the GPU test's byte-exact inputs), so the reference they are held to
+    follows the scale rule across the whole bf16 range."""
+    case = make_case(fmt, 700, 64, "cpu")
+    if extreme:
+        extreme_kv_rows(case.kv)
     reference.kv_rope_insert(*case.args())
     tokens, slots, page, row = _written(case, fmt)
     bs = case.block_size
