@@ -14,6 +14,7 @@ Cells (the make perf inputs of each op):
 
 Every version compiles into a cache folder of its own (the disk cache is keyed by the package's
 sources anyway) in ``--jobs`` parallel processes first; then ``--rounds`` rounds, old then new.
+``--hot`` also times every cell hot (20 calls in one graph, L2 warm: a line of its own).
 The table gives each version's best and worst over its rounds and SAME / DIFF for the outputs
 (a SHA-1 of the cache bytes after one call on poisoned caches).
 """
@@ -76,8 +77,9 @@ def _stacked_env(cell: Cell) -> dict[str, str]:
             if value != "auto"}
 
 
-def _measure(cell: Cell, timer) -> dict:
-    """Time one cell in this process and hash its outputs (GPU)."""
+def _measure(cell: Cell, timer, hot: bool = False) -> dict:
+    """Time one cell in this process (cold; with ``hot`` also 20 calls in one graph, L2 warm)
+    and hash its outputs (GPU)."""
     import torch
 
     import cute_kernels
@@ -113,6 +115,7 @@ def _measure(cell: Cell, timer) -> dict:
         backings, op = (case.backing,), cute_kernels.compress_c128
     args = case.args()
     us = timer.cold_us(lambda: op(*args))
+    hot_us = timer.hot_us(lambda: op(*args)) if hot else None
     for backing in backings:  # then one call on poisoned caches: skipped bytes stay poison
         backing.view(torch.uint8).fill_(POISON)
     op(*args)
@@ -120,10 +123,13 @@ def _measure(cell: Cell, timer) -> dict:
     digest = hashlib.sha1()
     for backing in backings:
         digest.update(backing.view(torch.uint8).cpu().numpy().tobytes())
-    return {"cell": cell.name, "us": us, "plan": plan, "sha": digest.hexdigest()[:16]}
+    row = {"cell": cell.name, "us": us, "plan": plan, "sha": digest.hexdigest()[:16]}
+    if hot_us is not None:
+        row["hot_us"] = hot_us
+    return row
 
 
-def worker(cells: list[Cell], replays: int) -> None:
+def worker(cells: list[Cell], replays: int, hot: bool) -> None:
     import cute_kernels
 
     from .timing import Timer
@@ -134,10 +140,11 @@ def worker(cells: list[Cell], replays: int) -> None:
         return
     timer = Timer(replays=replays)
     for cell in cells:
-        print(json.dumps(_measure(cell, timer)), flush=True)
+        print(json.dumps(_measure(cell, timer, hot)), flush=True)
 
 
-def _run(version: str, old: Path, cache: Path, cells: list[Cell], replays: int) -> list[dict]:
+def _run(version: str, old: Path, cache: Path, cells: list[Cell], replays: int,
+         hot: bool = False) -> list[dict]:
     """The cells in a worker process of ``version``: old imports the package in ``old``, new the
     repository's. The worker runs in the cache folder, since ``python -m`` puts its working
     directory ahead of PYTHONPATH (from the repository it would import the new package)."""
@@ -148,7 +155,8 @@ def _run(version: str, old: Path, cache: Path, cells: list[Cell], replays: int) 
         CUTE_KERNELS_CACHE_DIR=str(cache / version))
     out = subprocess.run(
         [sys.executable, "-m", "perf.ab", "--worker", "--replays", str(replays), "--cells",
-         ",".join(c.name for c in cells)], env=env, cwd=cache, capture_output=True, text=True)
+         ",".join(c.name for c in cells), *(["--hot"] if hot else [])],
+        env=env, cwd=cache, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"{version} worker failed:\n{out.stderr[-3000:]}")
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
@@ -162,23 +170,30 @@ def table(runs: dict[str, list[dict]]) -> str:
     and whether every output hash of the cell agrees (where not, each version's hashes in
     round order, so that a run that differs is named)."""
     times: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    hot: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     hashes: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
     plans: dict[str, dict[str, str]] = defaultdict(dict)
     for version, rows in runs.items():
         for r in rows:
             times[r["cell"]][version].append(r["us"])
+            if "hot_us" in r:
+                hot[r["cell"]][version].append(r["hot_us"])
             hashes[r["cell"]][version].append(r["sha"])
             plans[r["cell"]][version] = r["plan"]
-    lines = [f"{'cell':<34}{'old':>16}{'new':>16}{'new/old':>9}  outputs  plan (old -> new)"]
-    for cell, by in times.items():
+    def columns(by: dict[str, list[float]]) -> str:
         old, new = by.get("old", []), by.get("new", [])
         ratio = f"{min(new) / min(old):9.3f}" if old and new else f"{'':>9}"
-        cols = "".join(f"{min(v):8.2f} ({max(v):5.1f})" if v else f"{'-':>16}"
-                       for v in (old, new))
+        return "".join(f"{min(v):8.2f} ({max(v):5.1f})" if v else f"{'-':>16}"
+                       for v in (old, new)) + ratio
+
+    lines = [f"{'cell':<34}{'old':>16}{'new':>16}{'new/old':>9}  outputs  plan (old -> new)"]
+    for cell, by in times.items():
         plan = " -> ".join(dict.fromkeys(plans[cell].get(v, "") for v in ("old", "new")))
         by_version = hashes[cell]
         same = "SAME" if len({h for v in by_version.values() for h in v}) == 1 else "DIFF"
-        lines.append(f"{cell:<34}{cols}{ratio}  {same:<7}  {plan}")
+        lines.append(f"{cell:<34}{columns(by)}  {same:<7}  {plan}")
+        if cell in hot:
+            lines.append(f"{'    hot':<34}{columns(hot[cell])}")
         if same == "DIFF":
             lines.append("    hashes: " + "; ".join(
                 f"{v} {' '.join(by_version[v])}" for v in ("old", "new") if v in by_version))
@@ -191,13 +206,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--old", type=Path, help="a folder holding the other cute_kernels")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--replays", type=int, default=40)
+    parser.add_argument("--hot", action="store_true",
+                        help="also time each cell hot (20 calls in one graph, L2 warm)")
     parser.add_argument("--jobs", type=int, default=8, help="parallel compiles per version")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     cli = parser.parse_args(argv)
     cells = parse_cells(cli.cells)
     if cli.worker:
-        worker(cells, cli.replays)
+        worker(cells, cli.replays, cli.hot)
         return
     if cli.old is None or not (cli.old / "cute_kernels").is_dir():
         parser.error("--old: a folder with a cute_kernels package (git archive REV cute_kernels)")
@@ -209,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, list[dict]] = {"old": [], "new": []}
     for _ in range(cli.rounds):
         for version in ("old", "new"):
-            runs[version] += _run(version, cli.old, cache, cells, cli.replays)
+            runs[version] += _run(version, cli.old, cache, cells, cli.replays, cli.hot)
     if cli.json:
         cli.json.write_text(json.dumps(runs, indent=1))
     print(table(runs))

@@ -43,6 +43,15 @@ def test_table_compares_bests_and_outputs() -> None:
     assert stacked_hashes.strip() == "hashes: old b; new c"  # which run differed
 
 
+def test_table_gives_hot_times_a_line_of_their_own() -> None:
+    runs = {"old": [{"cell": "kv:fp8:2048", "us": 6.0, "hot_us": 2.5, "plan": "", "sha": "a"},
+                    {"cell": "kv:fp8:2048", "us": 6.2, "hot_us": 2.4, "plan": "", "sha": "a"}],
+            "new": [{"cell": "kv:fp8:2048", "us": 6.0, "hot_us": 1.8, "plan": "", "sha": "a"}]}
+    cold, hot = ab.table(runs).splitlines()[1:]
+    assert "1.000  SAME" in cold
+    assert hot.split() == ["hot", "2.40", "(", "2.5)", "1.80", "(", "1.8)", "0.750"]
+
+
 def test_each_worker_imports_its_own_package(tmp_path) -> None:
     """The old worker must not import the repository's package (``python -m`` puts the working
     directory first on sys.path): a copy stands in for the other version."""
@@ -86,4 +95,13 @@ def test_a_cell_builds_calls_and_hashes_on_cpu_stand_ins(monkeypatch) -> None:
     assert [launch.key.cache_format.value for launch in launches[2:4]] == ["fp8", "fp8"]
     assert [r["cell"] for r in rows] == [c.name for c in cells]
     assert rows[0]["plan"].startswith("m64 dp") and rows[1]["plan"] == rows[2]["plan"] == ""
-    assert all(r["us"] == 1.5 and len(r["sha"]) == 16 for r in rows)
+    assert all(r["us"] == 1.5 and len(r["sha"]) == 16 and "hot_us" not in r for r in rows)
+
+    class OneCallHot(OneCall):
+        def hot_us(self, fn) -> float:
+            fn()
+            return 0.5
+
+    with cpu_launches() as launches:  # --hot: the cold call, the hot one, the poisoned one
+        row = ab._measure(cells[1], OneCallHot(), hot=True)
+    assert len(launches) == 3 and row["us"] == 1.5 and row["hot_us"] == 0.5
