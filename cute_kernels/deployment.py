@@ -61,6 +61,7 @@ from tqdm import tqdm
 
 from .arch import ARCH_ENV, arch_for
 from .compile_cache import CompileKey, families
+from .compress_c128 import CORES as C128_CORES
 from .compress_c128 import compress_c128
 from .kv_rope_insert import kv_rope_insert
 from .layouts import C128_RATIO, C128_STATE_BLOCK, CACHE_DTYPES, HEAD_DIM, ROPE_DIM, cache_format
@@ -544,7 +545,10 @@ def _compressor_cases(spec: Compressor, arch: str) -> list[Case]:
                      f"{C128_RATIO} positions)", spec.compress_ratio)
             return key
 
-        cases.append(_check("compress_c128", f"C{spec.compress_ratio} {label}", validate))
+        # both cores of the layout: a call picks one from its token count
+        cases.append(_check("compress_c128", f"C{spec.compress_ratio} {label}", validate,
+                            lambda key: tuple(dataclasses.replace(key, core=core)
+                                              for core in C128_CORES)))
     return cases
 
 

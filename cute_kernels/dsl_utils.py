@@ -397,6 +397,69 @@ def load_shared_i64(smem_addr: Int32) -> Int64:
                                 read_only_args=[smem_addr])
 
 
+def load_shared_f32x2(smem_addr: Int32) -> tuple:
+    """Two fp32 from an 8-byte aligned shared address, one load."""
+    return cute.arch.inline_ptx(
+        "ld.shared.v2.f32 {{$w0}, {$w1}}, [{$r0}];",
+        write_only_types=[Float32] * 2,
+        read_only_args=[smem_addr],
+    )
+
+
+# -- an mbarrier ring filled by bulk copies (one producer thread, many consumer threads) --------
+
+
+def mbarrier_init(bar_addr: Int32, count: int) -> None:
+    """Initialise the mbarrier at ``bar_addr`` (8-byte aligned, this CTA's shared memory) for
+    ``count`` arrivals a phase. One thread; then ``cute.arch.mbarrier_init_fence()`` and a CTA
+    barrier before any other thread uses it."""
+    cute.arch.inline_ptx("mbarrier.init.shared::cta.b64 [{$r0}], {$r1};",
+                         read_only_args=[bar_addr, Int32(count)])
+
+
+def mbarrier_arrive(bar_addr: Int32) -> None:
+    """Arrive on the mbarrier at ``bar_addr`` (release: this thread's earlier memory accesses,
+    shared-memory reads included, happen before the phase completes)."""
+    cute.arch.inline_ptx("{ .reg .b64 state; mbarrier.arrive.shared::cta.b64 state, [{$r0}]; }",
+                         read_only_args=[bar_addr])
+
+
+def mbarrier_arrive_expect_tx(bar_addr: Int32, tx_bytes: int) -> None:
+    """Arrive on the mbarrier at ``bar_addr`` and make its phase wait for ``tx_bytes`` more
+    bytes of asynchronous copies (:func:`cp_async_bulk_g2s`) as well."""
+    cute.arch.inline_ptx(
+        "{ .reg .b64 state; mbarrier.arrive.expect_tx.shared::cta.b64 state, [{$r0}], {$r1}; }",
+        read_only_args=[bar_addr, Int32(tx_bytes)])
+
+
+def mbarrier_wait(bar_addr: Int32, phase: Int32) -> None:
+    """Wait until the mbarrier at ``bar_addr`` has completed the phase of parity ``phase``
+    (acquire: what its arrivals released, and the bytes its copies wrote, are visible). A
+    fresh barrier counts as having completed the phase of parity 1."""
+    cute.arch.inline_ptx(
+        "{ .reg .pred done; WAIT: mbarrier.try_wait.parity.shared::cta.b64 done, [{$r0}], {$r1};"
+        " @!done bra WAIT; }",
+        read_only_args=[bar_addr, phase])
+
+
+def cp_async_bulk_g2s(smem_addr: Int32, gmem_addr: Int64, size: int, bar_addr: Int32,
+                      policy: Int64 | None = None) -> None:
+    """``size`` contiguous bytes (a multiple of 16; both addresses 16-byte aligned) global ->
+    shared by the TMA unit, one instruction; their arrival counts against the transaction
+    bytes of the mbarrier at ``bar_addr``. With the L2 cache ``policy`` when given
+    (:func:`evict_first_policy`)."""
+    if policy is None:
+        cute.arch.inline_ptx(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+            " [{$r0}], [{$r1}], {$r2}, [{$r3}];",
+            read_only_args=[smem_addr, gmem_addr, Int32(size), bar_addr])
+    else:
+        cute.arch.inline_ptx(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+            " [{$r0}], [{$r1}], {$r2}, [{$r3}], {$r4};",
+            read_only_args=[smem_addr, gmem_addr, Int32(size), bar_addr, policy])
+
+
 def store_peer_f32(smem_addr: Int32, peer_rank: Int32, value: Float32) -> None:
     """Write an fp32 to the same shared-memory offset of CTA ``peer_rank`` of this cluster
     (distributed shared memory). A release cluster barrier after it orders it before the

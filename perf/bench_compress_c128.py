@@ -15,7 +15,8 @@ from .timing import Timer, baseline_error, host_us
 KV_BLOCK_SIZE = 2
 # (label, tokens, boundary_every): "all" = every token on a boundary, "mix" = one in 128
 CASES = (("all", 1, None), ("all", 32, None), ("all", 128, None), ("all", 512, None),
-         ("all", 4096, None), ("mix", 512, 128), ("mix", 4096, 128), ("mix", 65536, 128),
+         ("all", 4096, None), ("mix", 256, 128), ("mix", 512, 128), ("mix", 4096, 128),
+         ("mix", 65536, 128),
          ("none", 512, 0))
 STATE_BYTES_PER_WINDOW = 128 * 1024 * 4
 

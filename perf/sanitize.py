@@ -42,26 +42,33 @@ def _kv_rope_insert() -> int:
 
 def _compress_c128() -> int:
     import cute_kernels
+    from cute_kernels.compress_c128 import CORE_ENV, CORES
     from cute_kernels.layouts import C128_FORMATS
     from cute_kernels.testing import compress_c128_case
 
     calls = 0
-    for fmt in C128_FORMATS:
-        for norm in (torch.bfloat16, torch.float32):
-            # with fp32 norm weights, indices out of range too (nothing read or written outside)
-            case = compress_c128_case(fmt, 40, 2, "cuda", norm_dtype=norm,
-                                      out_of_range=norm is torch.float32)
-            cute_kernels.compress_c128(*case.args())
-            torch.cuda.synchronize()
-            written = case.backing.view(torch.uint8) != 0xA5
-            assert bool(written.any()), (fmt, norm)  # the tolerance checks are the GPU tests'
-            calls += 1
-    # ten windows a cluster: past the evict-first ones (CompressC128.EVICT_FIRST_WINDOWS)
-    case = compress_c128_case("v4_packed", 300, 2, "cuda", boundary_every=None)
-    cute_kernels.compress_c128(*case.args())
-    torch.cuda.synchronize()
-    assert bool((case.backing.view(torch.uint8) != 0xA5).any())
-    return calls + 1
+    for core in CORES:  # each core forced
+        os.environ[CORE_ENV] = core
+        for fmt in C128_FORMATS:
+            for norm in (torch.bfloat16, torch.float32):
+                # with fp32 norm weights, indices out of range too (nothing read or written
+                # outside)
+                case = compress_c128_case(fmt, 40, 2, "cuda", norm_dtype=norm,
+                                          out_of_range=norm is torch.float32)
+                cute_kernels.compress_c128(*case.args())
+                torch.cuda.synchronize()
+                written = case.backing.view(torch.uint8) != 0xA5
+                # the tolerance checks are the GPU tests'
+                assert bool(written.any()), (core, fmt, norm)
+                calls += 1
+        # ten windows a cluster, two or three a stream CTA: past the evict-first ones
+        case = compress_c128_case("v4_packed", 300, 2, "cuda", boundary_every=None)
+        cute_kernels.compress_c128(*case.args())
+        torch.cuda.synchronize()
+        assert bool((case.backing.view(torch.uint8) != 0xA5).any())
+        calls += 1
+    del os.environ[CORE_ENV]
+    return calls
 
 
 def _stacked_kv_proj() -> int:

@@ -11,7 +11,7 @@ import torch
 
 import cute_kernels
 from cute_kernels import LayoutError, check_compress_c128, reference
-from cute_kernels.compress_c128 import CompressC128Key
+from cute_kernels.compress_c128 import CORE_ENV, STREAM_MIN_TOKENS, CompressC128Key
 from cute_kernels.layouts import C128_FORMATS, CacheFormat
 from cute_kernels.testing import POISON, c128_mismatch
 from cute_kernels.testing import compress_c128_case as make_case
@@ -152,14 +152,38 @@ def test_full_caches_hold_the_rounded_values():
             assert bool(((row[:448] - want).abs() <= want.abs() * 2**-4 + 2**-9).all())
 
 
-def test_one_compile_key_for_every_token_count(monkeypatch):
+def _meta_key(tokens: int) -> CompressC128Key:
+    args = [a.to("meta") if isinstance(a, torch.Tensor) else a
+            for a in make_case("v4_packed", tokens, 2, "cpu").args()]
+    return cute_kernels.compress_c128.validate(*args)
+
+
+def test_one_compile_key_per_core_for_every_token_count(monkeypatch):
+    """Fewer than STREAM_MIN_TOKENS tokens take the cluster core, the rest the stream core:
+    two compile keys across every token count."""
     monkeypatch.setenv("CUTE_KERNELS_ARCH", "sm_90a")
-    keys = set()
-    for tokens in (1, 17, 1024, 4096):
-        args = [a.to("meta") if isinstance(a, torch.Tensor) else a
-                for a in make_case("v4_packed", tokens, 2, "cpu").args()]
-        keys.add(cute_kernels.compress_c128.validate(*args))
-    assert keys == {CompressC128Key(CacheFormat.V4_PACKED, "bfloat16", "sm_90a")}
+    packed = CacheFormat.V4_PACKED
+    by_tokens = {t: _meta_key(t) for t in (1, 17, STREAM_MIN_TOKENS - 1, STREAM_MIN_TOKENS,
+                                           1024, 4096)}
+    assert {t for t, key in by_tokens.items() if key.core == "cluster"} == {
+        1, 17, STREAM_MIN_TOKENS - 1}
+    assert set(by_tokens.values()) == {CompressC128Key(packed, "bfloat16", "sm_90a", core)
+                                       for core in ("cluster", "stream")}
+
+
+@pytest.mark.parametrize("core", ["cluster", "stream"])
+def test_core_can_be_forced(monkeypatch, core):
+    monkeypatch.setenv("CUTE_KERNELS_ARCH", "sm_90a")
+    monkeypatch.setenv(CORE_ENV, core)
+    assert {_meta_key(t).core for t in (1, 4096)} == {core}
+
+
+def test_unknown_core_is_rejected(monkeypatch):
+    monkeypatch.setenv("CUTE_KERNELS_ARCH", "sm_90a")
+    monkeypatch.setenv(CORE_ENV, "tma")
+    with pytest.raises(LayoutError, match=f"{CORE_ENV}: expected auto or one of cluster, "
+                                          "stream, got 'tma'"):
+        _meta_key(64)
 
 
 # -- rejections -----------------------------------------------------------------------------

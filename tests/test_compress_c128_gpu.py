@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import cute_kernels
+from cute_kernels.compress_c128 import CORE_ENV, CORES
 from cute_kernels.layouts import C128_FORMATS
 from cute_kernels.testing import c128_mismatch
 from cute_kernels.testing import compress_c128_case as make_case
@@ -21,10 +22,17 @@ def _check(case, got_backing: torch.Tensor) -> None:
     assert mismatch is None, mismatch
 
 
+@pytest.fixture(params=CORES)
+def core(request, monkeypatch):
+    """Each test on each core, forced (either core serves every token count)."""
+    monkeypatch.setenv(CORE_ENV, request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("kv_block_size", [2, 64])
 @pytest.mark.parametrize("num_tokens", [1, 2, 8, 65, 128, 512, 4096])
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_matches_float64_reference(fmt, num_tokens, kv_block_size):
+def test_matches_float64_reference(fmt, num_tokens, kv_block_size, core):
     case = make_case(fmt, num_tokens, kv_block_size, "cuda", seed=num_tokens,
                      boundary_every=None if num_tokens <= 2 else 3)
     cute_kernels.compress_c128(*case.args())
@@ -38,7 +46,7 @@ def test_matches_float64_reference(fmt, num_tokens, kv_block_size):
 
 @pytest.mark.parametrize("boundary_from", [1000, 2150, 4064])
 @pytest.mark.parametrize("fmt", ["v4_packed", "bf16"])
-def test_boundaries_after_empty_chunks(fmt, boundary_from):
+def test_boundaries_after_empty_chunks(fmt, boundary_from, core):
     """No boundary token in the first chunks (32 tokens each) of a cluster's tokens, and
     clusters with none at all: the issuing cursor walks past empty chunks to the first one
     that has a boundary token (on the H200's 30 clusters of 136-137 tokens, the one holding
@@ -52,7 +60,7 @@ def test_boundaries_after_empty_chunks(fmt, boundary_from):
 
 @pytest.mark.parametrize("num_tokens", [600, 9000])
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_out_of_range_indices(fmt, num_tokens):
+def test_out_of_range_indices(fmt, num_tokens, core):
     """Boundary tokens whose request, window or record slot lies outside its tensor (a slot
     into the guard page behind the cache, one at 2^40) write nothing, page ids outside the
     state cache are read clamped into it: the records within the tolerance rules of the
@@ -73,7 +81,7 @@ def test_norm_weight_dtypes(norm_dtype):
     _check(case, case.backing)
 
 
-def test_no_boundary_writes_nothing():
+def test_no_boundary_writes_nothing(core):
     case = make_case("v4_packed", 512, 2, "cuda", boundary_every=0)
     cute_kernels.compress_c128(*case.args())
     torch.cuda.synchronize()
@@ -81,7 +89,7 @@ def test_no_boundary_writes_nothing():
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_cuda_graph_replay(fmt):
+def test_cuda_graph_replay(fmt, core):
     case = make_case(fmt, 300, 2, "cuda")
     cute_kernels.compress_c128(*case.args())
     torch.cuda.synchronize()
@@ -95,8 +103,9 @@ def test_cuda_graph_replay(fmt):
     _check(case, case.backing)
 
 
-def test_torch_compile_fullgraph():
-    case = make_case("v4_packed", 130, 2, "cuda")
+@pytest.mark.parametrize("num_tokens", [8, 130])  # one of each core
+def test_torch_compile_fullgraph(num_tokens):
+    case = make_case("v4_packed", num_tokens, 2, "cuda")
 
     @torch.compile(fullgraph=True)
     def step(state, k_cache):
@@ -105,6 +114,23 @@ def test_torch_compile_fullgraph():
     step(case.state_cache, case.k_cache)
     torch.cuda.synchronize()
     _check(case, case.backing)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 65, 4096])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_cores_write_the_same_bytes(fmt, num_tokens, monkeypatch):
+    """Both cores pool, merge and sum in the same order: a record does not depend on which
+    core the token count picked."""
+    case = make_case(fmt, num_tokens, 2, "cuda", seed=num_tokens + 1,
+                     boundary_every=None if num_tokens <= 2 else 3)
+    written = []
+    for core in CORES:
+        monkeypatch.setenv(CORE_ENV, core)
+        case.backing.view(torch.uint8).fill_(0xA5)
+        cute_kernels.compress_c128(*case.args())
+        torch.cuda.synchronize()
+        written.append(case.backing.view(torch.uint8).clone())
+    assert torch.equal(written[0], written[1])
 
 
 def test_persistent_grid_is_the_resident_cluster_count():

@@ -84,7 +84,8 @@ def test_deepseek_preset_plans(name, arch, tp):
     assert c128_errors[2:6] == [None] * 4
     assert c128_errors[6].startswith("state_cache: expected [num_blocks, 8, 1024]")
     assert "(32, 4, 2048)" in c128_errors[6]
-    assert p.keys()["compress_c128"] == [CompressC128Key(f, "bfloat16", arch) for f in served]
+    assert p.keys()["compress_c128"] == [CompressC128Key(f, "bfloat16", arch, core)
+                                         for f in served for core in ("cluster", "stream")]
     assert not p.supported("compress_c128")
     assert "stacked_kv_proj" not in p.ops()
 
@@ -172,7 +173,8 @@ def test_a_ratio_no_tensor_carries_is_rejected_by_name():
 def test_compressor_norm_and_eps_come_from_the_description():
     p = plan(_compressor(norm_dtype="float32"), arch="sm_90a")
     assert p.keys()["compress_c128"] == [
-        CompressC128Key(CacheFormat.V4_PACKED, "float32", "sm_90a")]
+        CompressC128Key(CacheFormat.V4_PACKED, "float32", "sm_90a", core)
+        for core in ("cluster", "stream")]
     (error,) = _errors(plan(_compressor(rms_norm_eps=-1.0), arch="sm_90a"), "compress_c128")
     assert error.startswith("eps: expected a finite non-negative float")
 
@@ -318,12 +320,12 @@ def test_plan_json_form():
     data = json.loads(json.dumps(p.to_json()))
     assert data == p.to_json()
     assert Deployment.from_json(data["deployment"]) == p.deployment
-    assert (data["arch"], data["tp"], data["variants"]) == ("sm_100a", 4, 5)
+    assert (data["arch"], data["tp"], data["variants"]) == ("sm_100a", 4, 7)
     kv = data["ops"]["kv_rope_insert"]
     assert kv["supported"] is True
     assert kv["keys"][0] == "KvRopeInsertKey(cache_format=v41_mxfp8, arch=sm_100a)"
     c128 = data["ops"]["compress_c128"]
-    assert c128["supported"] is False and len(c128["keys"]) == 2
+    assert c128["supported"] is False and len(c128["keys"]) == 4  # 2 formats x 2 cores
     assert c128["cases"][0] == {
         "case": "C128 k_cache uint8 [*, 2, 528] kv_mxfp8", "supported": False, "keys": [],
         "error": "k_cache: expected record width 584 for a torch.uint8 cache, got shape "
@@ -333,14 +335,14 @@ def test_plan_json_form():
 def test_table_lists_cases_and_keys():
     text = plan("deepseek-v4-flash", arch="sm_90a").table()
     lines = text.splitlines()
-    assert lines[0] == "deepseek-v4-flash: arch sm_90a, TP 1, 6 compile variants"
+    assert lines[0] == "deepseek-v4-flash: arch sm_90a, TP 1, 9 compile variants"
     assert any(line.startswith("kv_rope_insert") and "[*, 256, 584]" in line
                and line.endswith("ok, 1 variant") for line in lines)
     assert any(line.startswith("compress_c128") and "C4 k_cache uint8 [*, 64, 584]" in line
                and "REJECTED  state_cache: expected" in line for line in lines)
     keys = lines[lines.index("compile keys:") + 1:]
     assert keys[0] == "  KvRopeInsertKey(cache_format=v4_packed, arch=sm_90a)"
-    assert len(keys) == 6
+    assert len(keys) == 9  # 3 KV formats, 3 C128 formats x 2 cores
 
 
 # -- the command line -----------------------------------------------------------------------------
@@ -407,7 +409,7 @@ def test_precompile_builds_exactly_the_plans_keys(monkeypatch, name, arch):
 def test_precompile_plan_can_be_limited_to_families(monkeypatch):
     built = _record_gets(monkeypatch)
     cute_kernels.precompile(plan("deepseek-v4-flash", arch="sm_90a"), kernels=["compress_c128"])
-    assert [family for family, _ in built] == ["compress_c128"] * 3
+    assert [family for family, _ in built] == ["compress_c128"] * 6  # 3 formats x 2 cores
 
 
 def _tiny(tmp_path) -> str:

@@ -375,11 +375,17 @@ def test_a_launch_matches_the_layout():
             assert got_scale.shape == (1,) and got_scale.data_ptr() == scale.data_ptr()
 
         del launches[:]
-        case = compress_c128_case("bf16", 64, 2, "cpu")
-        for _ in range(2):
-            cute_kernels.compress_c128(*case.args())
-        assert [launch.args[-1] for launch in launches] == [30, 30]
-        assert all(launch.args[8] is case.k_cache for launch in launches)
+        # the cluster core's grid: the resident clusters; the stream core's: one CTA per SM,
+        # never more than tokens
+        for tokens, grid in ((30, 30), (64, 64), (4096, 132)):
+            case = compress_c128_case("bf16", tokens, 2, "cpu")
+            for _ in range(2):
+                cute_kernels.compress_c128(*case.args())
+            assert [launch.args[-1] for launch in launches] == [grid, grid]
+            assert all(launch.args[8] is case.k_cache for launch in launches)
+            assert {launch.key.core for launch in launches} == {
+                "cluster" if tokens < 31 else "stream"}
+            del launches[:]
 
         del launches[:]
         from cute_kernels.stacked_kv_proj.interface import plan_for_call
@@ -430,6 +436,7 @@ def test_a_fallback_resident_count_is_not_remembered(name, monkeypatch):
             else stacked_kv_proj_case(4, hidden=4096, num_layers=5, n_kv=8).args())
     with cpu_launches(resident={(8, 2, 256): 3, (1, 1, 384): 100}) as launches:
         monkeypatch.setenv("CUTE_KERNELS_STACKED_SCHEDULE", "streamk")  # a grid of all CTAs
+        monkeypatch.setenv("CUTE_KERNELS_C128_CORE", "cluster")  # the core of clusters
         monkeypatch.setattr("torch.cuda.is_current_stream_capturing", lambda: True)
         op(*args)
         monkeypatch.setattr("torch.cuda.is_current_stream_capturing", lambda: False)
