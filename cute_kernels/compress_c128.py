@@ -875,6 +875,7 @@ class CompressC128Stream(C128Core):
             tokens, Int32(0), mask, request, window_start, kv_slot)
         state = mState.iterator.toint()
         page_stride = Int64(mState.stride[0]) * 4
+        evict_first = du.evict_first_policy()  # once per thread (see there)
         pages = Int32(0)
         windows = Int32(0)
         while mask != Uint32(0):
@@ -899,7 +900,7 @@ class CompressC128Stream(C128Core):
                     src_page = state + Int64(page) * page_stride
                     if windows < self.EVICT_FIRST_WINDOWS:
                         du.cp_async_bulk_g2s(dst, src_page, self.PAGE_BYTES, full,
-                                             du.evict_first_policy())
+                                             evict_first)
                     else:
                         du.cp_async_bulk_g2s(dst, src_page, self.PAGE_BYTES, full)
                 pages = pages + 1
