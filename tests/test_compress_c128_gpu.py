@@ -137,7 +137,8 @@ def test_persistent_grid_is_the_resident_cluster_count():
     """The driver's answer, bounded by the per-SM formula (clusters cannot span GPCs), cached;
     the grid never exceeds the token count."""
     from cute_kernels.arch import max_active_clusters
-    from cute_kernels.compress_c128 import GRID_WAVES, CompressC128, _grid_clusters
+    from cute_kernels.compress_c128 import CompressC128
+    from cute_kernels.compress_c128.interface import GRID_WAVES, _grid_clusters
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     threads = 32 * CompressC128.WARPS

@@ -17,7 +17,7 @@ from cute_kernels.testing import compress_c128_case, kv_rope_insert_case, stacke
 
 # the modules (their names in the package are the ops)
 ALIGN_TABLES = {op: importlib.import_module(f"cute_kernels.{module}").ALIGN for op, module in (
-    ("kv_rope_insert", "kv_rope_insert"), ("compress_c128", "compress_c128"),
+    ("kv_rope_insert", "kv_rope_insert"), ("compress_c128", "compress_c128.interface"),
     ("stacked_kv_proj", "stacked_kv_proj.interface"))}
 
 HAS_CUDA = torch.cuda.is_available()
