@@ -49,11 +49,12 @@ class CompressC128Stream(C128Core):
     PAGES = C128_RATIO // C128_STATE_BLOCK  # 16 pages a window
     THREADS = 32 * (C128Core.WARPS + 1)  # the pooling warps, then the producer
     POOL_BARRIER = 1  # named barrier of the pooling warps (0 is the CTA's)
-    # A CTA's first window is read with the L2 evict_first policy (the cluster core's reason:
-    # 132 windows, 66 MiB, about the L2's size, replace the state's own clean lines rather than
-    # the dirty ones an earlier kernel left); the later windows without a hint. Same-run A/B
-    # (H200, 2026-12-03): all-32 12.8 -> 12.3 us, all-128 28.4 -> 25.5, the rest within 1 %.
-    EVICT_FIRST_WINDOWS = 1
+    # Every page is copied with the L2 evict_first policy: the state is read once, so its lines
+    # evict each other (clean) rather than the dirty ones an earlier kernel left, whose
+    # write-back would otherwise share the DRAM with the stream. Same-run A/B (H200,
+    # 2026-12-04, cold us) against the first window only: all-4096 538.7 -> 529.4, all-512
+    # 79.0 -> 77.8, all-128 and mix-256 within 1 % (2026-12-03: the first window against none,
+    # all-32 12.8 -> 12.3, all-128 28.4 -> 25.5).
 
     @cute.kernel
     def kernel(
@@ -161,11 +162,7 @@ class CompressC128Stream(C128Core):
                     du.mbarrier_arrive_expect_tx(full, self.PAGE_BYTES)
                     dst = ring + slot * self.PAGE_BYTES
                     src_page = state + Int64(page) * page_stride
-                    if windows < self.EVICT_FIRST_WINDOWS:
-                        du.cp_async_bulk_g2s(dst, src_page, self.PAGE_BYTES, full,
-                                             evict_first)
-                    else:
-                        du.cp_async_bulk_g2s(dst, src_page, self.PAGE_BYTES, full)
+                    du.cp_async_bulk_g2s(dst, src_page, self.PAGE_BYTES, full, evict_first)
                 pages = pages + 1
             windows = windows + 1
             chunk, mask, request, window_start, kv_slot = self.next_window(
