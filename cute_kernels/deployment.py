@@ -564,7 +564,7 @@ def _drafter_cases(spec: Drafter, tp: int, arch: str) -> list[Case]:
     k_caches = [_meta((SLOTS, n_kv, dim), spec.kv_cache_dtype) for _ in range(layers)]
     v_caches = [_meta((SLOTS, n_kv, dim), spec.kv_cache_dtype) for _ in range(layers)]
     # Every variant (core, tile) of the arch: a call picks one from its token count.
-    variants = variants_for(arch, dim)
+    variants = variants_for(arch, dim, n_kv * dim)
     cases = []
     for commit in spec.commit_lens:
         loc_2d = _meta((REQUESTS, TOKENS // REQUESTS), torch.int64) if commit else None

@@ -531,12 +531,10 @@ def test_swapped_wgmma_tile_rejects_256_wide_heads(device, monkeypatch):
 @pytest.mark.parametrize(("tokens", "impl", "sms", "tile"), [
     (1, "wgmma", 132, "m64"), (64, "wgmma", 132, "m64"),
     (65, "wgmma", 132, "sw80"),  # one wave of 80-token tiles against one of m128
-    # three waves of m64 (320 tiles) against one of m128w: 47.2 against 53.2 us (H200), and
-    # two of sw96 (53.3)
-    (256, "wgmma", 132, "m64"),
-    # (H200, cold us) 2 waves of sw192 80.6 against m128's 3 waves 84.2; 5 of sw128 139.1
-    # against m128 138.0 (a tie); 5 of sw256 243.5 against m128w 258.6
-    (512, "wgmma", 132, "sw192"), (1024, "wgmma", 132, "sw128"),
+    # (H200, cold us, 2026-12-04) one wave of 120 sw96w tiles 41.2 against three of m64 49.0
+    # and two of sw96; two of sw96w 79.4 against sw192's two 84.1 and sw128's three 81.2; four
+    # of sw80w 140.7 against five of sw128 142.1 (a tie); 5 of sw256 243.7 against sw128w 244.0
+    (256, "wgmma", 132, "sw96w"), (512, "wgmma", 132, "sw96w"), (1024, "wgmma", 132, "sw80w"),
     (2048, "wgmma", 132, "sw256"), (8192, "wgmma", 132, "sw256"),
     (1024, "wgmma", 114, "sw256"),  # H100 PCIe: 640 m128 tiles are 6 waves, 320 sw256 3
     (64, "mma", 132, "m64"), (8192, "mma", 132, "m128"),  # the mma core has no wide tile
@@ -606,10 +604,13 @@ COST_MODEL_CHOICES = [
     ("d256", 2, 1, 256, 5120, 256, "m64h", 1),  # 20.9 against swap16's 23.6
     ("d64", 6, 4, 64, 2048, 16, "swap16", 3),  # 11.7 against m64h's 13.3
     ("d64", 6, 4, 64, 2048, 64, "m64h", 1),  # 11.5 against m64's 13.6
-    # the swapped wgmma tiles (H200, 2026-12-02 13:30 UTC, cold us, each tile forced)
+    # the swapped wgmma tiles (H200, 2026-12-02 13:30 UTC, cold us, each tile forced; the
+    # wide ones 2026-12-04 16:20 UTC)
     ("tp8", 5, 1, 128, 4096, 1024, "sw80", 1),  # 130 CTAs: 22.7 against m128's 30.2
     ("tp8", 5, 1, 128, 4096, 2048, "sw160", 1),  # 36.9 against m64's 51.2
-    ("tp4", 5, 2, 128, 4096, 1024, "sw192", 1),  # 41.2 against m64's 48.8
+    ("tp4", 5, 2, 128, 4096, 1024, "sw80w", 1),  # 130 CTAs: 35.9 against sw192's 41.3
+    ("tp2", 5, 4, 128, 4096, 1024, "sw80w", 1),  # 2 waves: 74.1 against sw128's 3, 79.3
+    ("tp1", 5, 8, 128, 4096, 256, "sw96w", 1),  # 120 CTAs: 41.2 against m64's 48.7
     ("tp2", 5, 4, 128, 4096, 256, "sw96", 1),  # 24.8 against m128's 30.2
     ("1layer", 1, 8, 128, 4096, 1024, "sw128", 1),  # 30.9 against m128's 32.1
     ("d64", 3, 4, 64, 4096, 1024, "sw96", 1),  # 24.4 against m128's 29.1
@@ -800,11 +801,16 @@ def test_kernel_entry_requires_cuda():
 
 
 def test_variants_of_a_layout_leave_out_what_it_cannot_build():
-    """Precompiling a D = 256 layout builds no swapped wgmma tile (none holds 256 rows)."""
+    """Precompiling a D = 256 layout builds no swapped wgmma tile (none holds 256 rows), nor
+    a layout of 128 KV columns a wide one."""
     tiles = {v.tile for v in variants_for("sm_90a", 256)}
     assert "m64h" in tiles and not any(TILES[t].tokens_n for t in tiles)
     assert {v.tile for v in variants_for("sm_90a", 128)} == {v.tile for v in
                                                              variants_for("sm_90a")}
+    # a wide swapped tile where kv holds no 256 columns is the narrow one: not built twice
+    wide = {t for t in TILES if TILES[t].tokens_n and TILES[t].wide}
+    assert wide and wide <= {v.tile for v in variants_for("sm_90a", 128, 256)}
+    assert not wide & {v.tile for v in variants_for("sm_90a", 128, 128)}
 
 
 def test_reference_out_of_range_indices_write_nothing():

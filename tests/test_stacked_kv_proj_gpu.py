@@ -157,6 +157,11 @@ SWAPPED_WGMMA_CASES = [  # (tile, tokens, H, L, n_kv, D, bias, commit)
     ("sw32", 257, 448, 1, 2, 128, True, True),  # 7 k-tiles, 9 token tiles, the last 1 row
     ("sw256", 600, 2560, 3, 4, 64, True, True),  # two D = 64 heads a tile, 8 rows per thread
     ("sw160", 1000, 128, 2, 2, 128, False, False),  # H 128: fewer k-tiles than stages
+    # the wide tiles: 256 weight rows, two m64 atoms a consumer warpgroup
+    ("sw96w", 300, 2560, 2, 4, 64, True, True),  # four D = 64 heads a tile, 4 token tiles
+    ("sw80w", 1, 4096, 5, 2, 128, False, False),  # T = 1: 79 zero-filled token rows
+    ("sw80w", 257, 448, 1, 2, 128, True, True),  # 7 k-tiles, the last token tile 17 rows
+    ("sw96w", 100, 2048, 2, 1, 128, True, False),  # kv = 128: the wide tile is 128 rows
 ]
 
 

@@ -112,12 +112,28 @@ TILES_SWAPPED_WGMMA = tuple(
     TileConfig(f"sw{n}", bm=n, wide=False, mma_stages=0, cost=cost,
                wave_cost=cost * (1.3 if n < 128 else 1.0), tokens_n=True)
     for n, cost in SWAPPED_WGMMA_WAVE_COSTS.items())
+#: The wide swapped wgmma tiles (``sw<N>w``): 256 weight rows where kv allows (two D = 128
+#: heads, four of D = 64; two m64 atoms a consumer warpgroup), so half the weight tiles of
+#: ``sw<N>`` and other tile counts to fill the SMs with. Measured cost of a first and of a
+#: further wave, relative to m128's, from the same sweep as sw128 (H200, 2026-12-04 15:55 UTC,
+#: cold, `perf.sweep_stacked`, H 4096 / 8192, TP 1 / 2 / 4, one layer, L 6 x n_kv 8, T = 256
+#: ..2048, each tile forced; sw128's one wave 28.8-30.7 us there, its table cost 0.95): one
+#: wave of sw80w took 33.5-36.2 us and each further one ~36, sw96w 38.4-41.2 and ~39. So a
+#: wide tile costs what the narrow tile of its MMA work does (sw80w as sw160, sw96w as sw192;
+#: sw64w 28.6-31.8 as sw128, sw128w 48.1-52.9 as sw256, neither kept): twice the weight rows
+#: for half the tokens is no cheaper a FLOP, only other tile counts.
+SWAPPED_WIDE_WGMMA_WAVE_COSTS = {80: (1.10, 1.15), 96: (1.27, 1.27)}
+TILES_SWAPPED_WIDE_WGMMA = tuple(
+    TileConfig(f"sw{n}w", bm=n, wide=True, mma_stages=0, cost=first, wave_cost=further,
+               tokens_n=True)
+    for n, (first, further) in SWAPPED_WIDE_WGMMA_WAVE_COSTS.items())
 #: The swapped wgmma tiles are planned from this T: below, every tile is one token tile, and
 #: the swapped split plan and m64 / m64h measured as fast or faster than sw32 could be
 #: (TP 1, T = 64: sw64 32.0 us, m64 33.0; sw32 on two token tiles 36.5).
 SWAPPED_WGMMA_MIN_TOKENS = 33
-#: Most weight rows (columns of the stacked output) of a swapped wgmma tile: two consumer
-#: warpgroups of m64.
+#: Most weight rows (columns of the stacked output) of a narrow swapped wgmma tile, two
+#: consumer warpgroups of m64: so no swapped tile for D = 256 (a wide tile takes 256 rows only
+#: as two or four whole heads of D <= 128).
 SWAPPED_WGMMA_MAX_COLUMNS = 128
 #: The swapped wgmma tiles that also compile split along K (``StackedVariant.cluster``): a
 #: tile's K ranges on the CTAs of one cluster, partials summed through DSMEM. Only sw32: a
@@ -136,7 +152,7 @@ SPLIT_SWAPPED_MAX_CTAS = 80
 #: 14.8 against 15.3 / 15.2; TP 8, T = 128: 14.5 against 14.5).
 SPLIT_SWAPPED_MIN_SPLITS = 3
 TILES = {t.name: t for t in (TILE_SMALL, TILE_MEDIUM, TILE_WIDE, TILE_SWAP, TILE_SPLIT_HEAD,
-                             *TILES_SWAPPED_WGMMA)}
+                             *TILES_SWAPPED_WGMMA, *TILES_SWAPPED_WIDE_WGMMA)}
 SWAP_TILES = tuple(name for name, t in TILES.items() if t.swap)
 #: The largest T the swapped tile is planned for (the range its cost model was fitted on).
 SWAP_MAX_TOKENS = 256
@@ -427,14 +443,16 @@ def choose_tile(tokens: int, impl: str, num_layers: int, n_kv: int, head_dim: in
         return forced
     layout = StackedLayout(num_layers, n_kv, head_dim, False, False, "float32", "")
     swapped_fits = tile_n(head_dim, layout.kv) <= SWAPPED_WGMMA_MAX_COLUMNS
+    wide_fits = tile_n(head_dim, layout.kv, True) > tile_n(head_dim, layout.kv)
 
     def candidate(config: TileConfig) -> bool:
         if config.swap:
             return False
         if config.split_head:
             return data_parallel and tokens >= SPLIT_HEAD_MIN_TOKENS
-        if config.tokens_n:
-            return data_parallel and swapped_fits and tokens >= SWAPPED_WGMMA_MIN_TOKENS
+        if config.tokens_n:  # (a wide tile where kv holds no 256 columns is the narrow one)
+            return (data_parallel and swapped_fits and tokens >= SWAPPED_WGMMA_MIN_TOKENS
+                    and (not config.wide or wide_fits))
         return True
 
     candidates = [name for name in tiles_for(impl) if candidate(TILES[name])]
@@ -695,12 +713,18 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
     return StackedPlan(StackedVariant(impl, tile), stream_k, grid, dp_tiles)
 
 
-def variants_for(arch: str, head_dim: int | None = None) -> list[StackedVariant]:
-    """Every variant a layout (of ``head_dim``, when given) can need on ``arch`` (what
-    :func:`cute_kernels.precompile` builds): no swapped wgmma tile for D = 256."""
+def variants_for(arch: str, head_dim: int | None = None,
+                 kv: int | None = None) -> list[StackedVariant]:
+    """Every variant a layout (of ``head_dim`` and ``kv = n_kv * D``, when given) can need on
+    ``arch`` (what :func:`cute_kernels.precompile` builds): no swapped wgmma tile for D = 256,
+    no wide swapped tile where kv holds no 256 columns (it would be the narrow one)."""
     def fits(tile: str) -> bool:
-        return not TILES[tile].tokens_n or head_dim is None or (
-            head_dim <= SWAPPED_WGMMA_MAX_COLUMNS)
+        config = TILES[tile]
+        if not config.tokens_n or head_dim is None:
+            return True
+        if config.wide and kv is not None and tile_n(head_dim, kv, True) == tile_n(head_dim, kv):
+            return False
+        return head_dim <= SWAPPED_WGMMA_MAX_COLUMNS
 
     split_swapped = [StackedVariant("wgmma", tile, True) for tile in SPLIT_SWAPPED_WGMMA_TILES
                      if "wgmma" in impls_for(arch) and fits(tile)]

@@ -1,6 +1,7 @@
 """sm_90a stacked KV projection core with the operands swapped: the weight tile is the wgmma's
-A (its M: 64 weight rows per consumer warpgroup) and the token tile its B (its N: any multiple
-of 8 up to 256), so the token tile is sized to fill the SMs, not by the wgmma's M. The
+A (its M: 64 weight rows per consumer warpgroup, or two m64 atoms each for a wide tile's 256)
+and the token tile its B (its N: any multiple of 8 up to 256), so the token tile is sized to
+fill the SMs, not by the wgmma's M. The
 accumulators hold head dims along rows, so the epilogue runs from SMEM
 (:class:`~.staged.StagedEpilogue`). At decode sizes a tile's K can be split over the CTAs of a
 cluster, whose partials are summed through distributed shared memory."""
@@ -36,11 +37,12 @@ class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
 
     Warpgroup 0 is the producer: one thread issues the TMA loads of the weight's and the
     tokens' k-tiles into an mbarrier ring (``PipelineTmaAsync``). Warpgroups 1.. are consumers,
-    one per 64 weight rows of the tile: ``wgmma`` m64nBMk16 from SMEM, one commit group in
-    flight. After the last k-tile the consumers stage the fp32 accumulators transposed, as
-    the ``[token, column]`` tile of the staged epilogue, in the drained ring (the producer
-    issues nothing after the last k-tile), and finish the rows from there. Tokens beyond T are
-    zero-filled by TMA and never stored.
+    one per 64 weight rows of the tile (two for a wide tile's 256, each with two m64 atoms:
+    warpgroup ``w`` rows ``[64 w, 64 w + 64)`` and the same ``+ 128``): ``wgmma`` m64nBMk16
+    from SMEM, one commit group in flight. After the last k-tile the consumers stage the fp32
+    accumulators transposed, as the ``[token, column]`` tile of the staged epilogue, in the
+    drained ring (the producer issues nothing after the last k-tile), and finish the rows
+    from there. Tokens beyond T are zero-filled by TMA and never stored.
 
     Split K (``cluster=True``, a runtime split ``S <= CLUSTER_MAX_SPLITS``): the ``S`` CTAs of
     a tile are one cluster, CTA ``b`` runs k-tiles ``[s K / S, (s + 1) K / S)`` of tile ``b /
@@ -55,8 +57,9 @@ class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
                  has_commit: bool, norm_dtype: type, tile: TileConfig,
                  cluster: bool = False) -> None:
         bn = tile.columns(head_dim, n_kv * head_dim)
-        assert bn in (64, 128), "a swapped wgmma tile holds 64 or 128 weight rows"
-        self.consumer_warpgroups = bn // 64
+        assert bn in (64, 128, 256), "a swapped wgmma tile holds 64, 128 or 256 weight rows"
+        # one m64 atom a consumer warpgroup, two for 256 rows
+        self.consumer_warpgroups = min(bn // 64, 2)
         self.cluster = cluster  # K split over a cluster's CTAs, partials summed through DSMEM
         super().__init__(num_layers, n_kv, head_dim, has_bias, has_commit, norm_dtype, tile,
                          128 * (1 + self.consumer_warpgroups))
