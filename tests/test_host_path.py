@@ -96,6 +96,11 @@ def test_a_recent_layout_asks_for_the_same_types_and_values():
     stacked.check(*args)
     as_tuples = [*args[:8], tuple(args[8]), tuple(args[9]), *args[10:]]
     assert stacked.check(*as_tuples) is None
+    # a misaligned item of a sequence, the layout otherwise recent: check reads every item's
+    # address (the recent test unpacks the sequences)
+    misaligned = [*args[:9], [*args[9][:-1], _offset(args[9][-1])], *args[10:]]
+    assert "v_caches[" in _message(stacked.check, *misaligned)
+    assert _message(stacked.check, *misaligned) == _message(stacked.validate, *misaligned)
     shorter = [*args[:8], args[8][:-1], args[9], *args[10:]]
     assert "v_caches" in _message(stacked.check, *shorter)
     # something other than a tensor where the layout had one, in a sequence or not: the
