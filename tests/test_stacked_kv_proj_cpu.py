@@ -611,6 +611,9 @@ COST_MODEL_CHOICES = [
     ("tp4", 5, 2, 128, 4096, 1024, "sw80w", 1),  # 130 CTAs: 35.9 against sw192's 41.3
     ("tp2", 5, 4, 128, 4096, 1024, "sw80w", 1),  # 2 waves: 74.1 against sw128's 3, 79.3
     ("tp1", 5, 8, 128, 4096, 256, "sw96w", 1),  # 120 CTAs: 41.2 against m64's 48.7
+    # the split-head tile only where m64 fills at most a third of the SMs (2026-12-04)
+    ("1layer", 1, 8, 128, 4096, 256, "sw32", 1),  # 18.6 against m64h's 19.1-20.2
+    ("tp4", 5, 2, 128, 4096, 144, "sw32", 1),  # 18.2 against m64h's 23.7
     ("tp2", 5, 4, 128, 4096, 256, "sw96", 1),  # 24.8 against m128's 30.2
     ("1layer", 1, 8, 128, 4096, 1024, "sw128", 1),  # 30.9 against m128's 32.1
     ("d64", 3, 4, 64, 4096, 1024, "sw96", 1),  # 24.4 against m128's 29.1

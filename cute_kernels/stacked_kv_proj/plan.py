@@ -98,6 +98,16 @@ TILE_SPLIT_HEAD = TileConfig("m64h", bm=64, wide=False, mma_stages=0, cost=0.51,
 #: it: TP 2 T 32 22.7 / 22.5, D 64 T 1 / 16 / 32 13.6 / 10.8, 13.3 / 11.7, 13.1 / 13.0, TP 8 at
 #: H 2048 T 32 10.6 / 10.0); at T = 64 m64h won in all five layouts tried.
 SPLIT_HEAD_MIN_TOKENS = 33
+#: ... and, for whole-head tiles of at most 128 columns, only where the m64 tiles fill at most
+#: this share of the SMs: the split-head tile doubles the CTAs and with them the token bytes
+#: the L2 carries, and past it the next candidate (sw32 or m64) measured as fast or faster
+#: (H200, 2026-12-04, cold us, against m64h forced: one layer, T = 144 / 256 18.1 / 18.6
+#: against 19.5 / 19.1; TP 4, T = 144 / 176 18.2 / 18.5 against 23.7 / 19.9; TP 8, T = 272 /
+#: 368 17.5 / 17.8 against 19.0 / 19.1; H 2048 x 1 x 1, T = 2048 12.1 against 13.3; below it
+#: m64h wins, TP 8, T = 256 on 40 m64 tiles 15.3 against m64's 18.1). A D = 256 head is a
+#: 256-column m64 tile, twice the weight a CTA: there m64h won at every count measured
+#: (T = 768 / 1024: 24.8 / 28.6 against m64's 36.8 / 37.5).
+SPLIT_HEAD_MAX_SM_SHARE = 1 / 3
 #: The swapped wgmma tiles (``sw<N>``, N the wgmma's N) and the measured cost of one wave of
 #: each, relative to m128's (H200, 2026-12-02 13:30 UTC, cold, `perf.sweep_stacked` with each
 #: tile forced: one full wave of 110-132 CTAs at H 4096 took 16.0-17.5 us for sw32, 18-20
@@ -449,7 +459,9 @@ def choose_tile(tokens: int, impl: str, num_layers: int, n_kv: int, head_dim: in
         if config.swap:
             return False
         if config.split_head:
-            return data_parallel and tokens >= SPLIT_HEAD_MIN_TOKENS
+            return (data_parallel and tokens >= SPLIT_HEAD_MIN_TOKENS
+                    and (tile_n(head_dim, layout.kv) > 128 or tile_count(
+                        tokens, layout, TILE_SMALL) <= sms * SPLIT_HEAD_MAX_SM_SHARE))
         if config.tokens_n:  # (a wide tile where kv holds no 256 columns is the narrow one)
             return (data_parallel and swapped_fits and tokens >= SWAPPED_WGMMA_MIN_TOKENS
                     and (not config.wide or wide_fits))
