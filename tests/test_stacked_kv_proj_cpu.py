@@ -605,7 +605,7 @@ COST_MODEL_CHOICES = [
     ("d64", 6, 4, 64, 2048, 16, "swap16", 3),  # 11.7 against m64h's 13.3
     ("d64", 6, 4, 64, 2048, 64, "m64h", 1),  # 11.5 against m64's 13.6
     # the swapped wgmma tiles (H200, 2026-12-02 13:30 UTC, cold us, each tile forced; the
-    # wide ones 2026-12-04 16:20 UTC)
+    # wide ones 2026-12-04 16:00 UTC)
     ("tp8", 5, 1, 128, 4096, 1024, "sw80", 1),  # 130 CTAs: 22.7 against m128's 30.2
     ("tp8", 5, 1, 128, 4096, 2048, "sw160", 1),  # 36.9 against m64's 51.2
     ("tp4", 5, 2, 128, 4096, 1024, "sw80w", 1),  # 130 CTAs: 35.9 against sw192's 41.3
