@@ -276,6 +276,12 @@ def tile_n(head_dim: int, kv: int, wide: bool = False) -> int:
     return bn if kv % bn == 0 else head_dim
 
 
+def wide_tile_differs(head_dim: int, kv: int) -> bool:
+    """Whether a wide tile of this layout holds more columns than the narrow one (else it is
+    the narrow tile under another name: not planned, not precompiled)."""
+    return tile_n(head_dim, kv, True) > tile_n(head_dim, kv)
+
+
 #: The GEMM cores, the default first where it compiles.
 IMPLS = ("wgmma", "mma")
 
@@ -452,19 +458,20 @@ def choose_tile(tokens: int, impl: str, num_layers: int, n_kv: int, head_dim: in
     if forced is not None:
         return forced
     layout = StackedLayout(num_layers, n_kv, head_dim, False, False, "float32", "")
-    swapped_fits = tile_n(head_dim, layout.kv) <= SWAPPED_WGMMA_MAX_COLUMNS
-    wide_fits = tile_n(head_dim, layout.kv, True) > tile_n(head_dim, layout.kv)
+    whole_head_columns = tile_n(head_dim, layout.kv)
+    swapped_fits = whole_head_columns <= SWAPPED_WGMMA_MAX_COLUMNS
+    wide_differs = wide_tile_differs(head_dim, layout.kv)
+    split_head_fits = (whole_head_columns > 128 or tile_count(tokens, layout, TILE_SMALL)
+                       <= sms * SPLIT_HEAD_MAX_SM_SHARE)
 
     def candidate(config: TileConfig) -> bool:
         if config.swap:
             return False
         if config.split_head:
-            return (data_parallel and tokens >= SPLIT_HEAD_MIN_TOKENS
-                    and (tile_n(head_dim, layout.kv) > 128 or tile_count(
-                        tokens, layout, TILE_SMALL) <= sms * SPLIT_HEAD_MAX_SM_SHARE))
-        if config.tokens_n:  # (a wide tile where kv holds no 256 columns is the narrow one)
+            return data_parallel and tokens >= SPLIT_HEAD_MIN_TOKENS and split_head_fits
+        if config.tokens_n:
             return (data_parallel and swapped_fits and tokens >= SWAPPED_WGMMA_MIN_TOKENS
-                    and (not config.wide or wide_fits))
+                    and (not config.wide or wide_differs))
         return True
 
     candidates = [name for name in tiles_for(impl) if candidate(TILES[name])]
@@ -734,7 +741,7 @@ def variants_for(arch: str, head_dim: int | None = None,
         config = TILES[tile]
         if not config.tokens_n or head_dim is None:
             return True
-        if config.wide and kv is not None and tile_n(head_dim, kv, True) == tile_n(head_dim, kv):
+        if config.wide and kv is not None and not wide_tile_differs(head_dim, kv):
             return False
         return head_dim <= SWAPPED_WGMMA_MAX_COLUMNS
 

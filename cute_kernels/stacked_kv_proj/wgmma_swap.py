@@ -1,10 +1,10 @@
 """sm_90a stacked KV projection core with the operands swapped: the weight tile is the wgmma's
 A (its M: 64 weight rows per consumer warpgroup, or two m64 atoms each for a wide tile's 256)
 and the token tile its B (its N: any multiple of 8 up to 256), so the token tile is sized to
-fill the SMs, not by the wgmma's M. The
-accumulators hold head dims along rows, so the epilogue runs from SMEM
-(:class:`~.staged.StagedEpilogue`). At decode sizes a tile's K can be split over the CTAs of a
-cluster, whose partials are summed through distributed shared memory."""
+fill the SMs, not by the wgmma's M. The accumulators hold head dims along rows, so the
+epilogue runs from SMEM (:class:`~.staged.StagedEpilogue`). At decode sizes a tile's K can be
+split over the CTAs of a cluster, whose partials are summed through distributed shared
+memory."""
 
 from __future__ import annotations
 
