@@ -95,6 +95,12 @@ def env_stream() -> Any:
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
+def smem_struct(name: str, **fields: Any) -> Any:
+    """A ``cute.struct`` of ``fields`` (name -> member type, in order) built outside a
+    ``@cute.jit`` body, where a class body's annotations would stay unevaluated strings."""
+    return cute.struct(type(name, (), {"__annotations__": fields}))
+
+
 def compile_tvm_ffi(launcher: Any, *fake_args: Any, arch: str) -> Any:
     return cute.compile(launcher, *fake_args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 

@@ -74,6 +74,7 @@ def _compress_c128() -> int:
 def _stacked_kv_proj() -> int:
     from cute_kernels import reference, stacked_kv_proj
     from cute_kernels.stacked_kv_proj.plan import (
+        CTAS_ENV,
         HANDOVER_ENV,
         SCHEDULE_ENV,
         SPLIT_SWAPPED_WGMMA_TILES,
@@ -86,9 +87,10 @@ def _stacked_kv_proj() -> int:
     from cute_kernels.testing import compare_stacked, stacked_kv_proj_case
 
     arch = f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}a"
-    # every tile of each core, with each schedule: the wgmma core's data-parallel and
-    # stream-K, and the swapped wgmma tiles split (3 CTAs per tile, one cluster), the mma
-    # core's one CTA per tile and split K with each hand-over of the partials
+    # every tile of each core, with each schedule: the wgmma core's data-parallel (the
+    # persistent tile on one CTA) and stream-K, and the swapped wgmma tiles split (3 CTAs per
+    # tile, one cluster), the mma core's one CTA per tile and split K with each hand-over of
+    # the partials
     schedules = {"wgmma": ({SCHEDULE_ENV: "dp"}, {SCHEDULE_ENV: "streamk"},
                            {SCHEDULE_ENV: "dp", SPLITS_ENV: "3"}),
                  "mma": ({SPLITS_ENV: "1"}, {SPLITS_ENV: "3", HANDOVER_ENV: "workspace"},
@@ -103,6 +105,8 @@ def _stacked_kv_proj() -> int:
                 if (impl == "wgmma" and SPLITS_ENV in schedule
                         and tile not in SPLIT_SWAPPED_WGMMA_TILES):
                     continue  # the other wgmma tiles have no split variant
+                if TILES[tile].persistent:  # every tile on one CTA: the hand-over cycles
+                    schedule = {**schedule, CTAS_ENV: "1"}
                 env = {"CUTE_KERNELS_STACKED_IMPL": impl, TILE_ENV: tile, **schedule}
                 os.environ.update(env)
                 # slots and positions out of range too: nothing read or written outside

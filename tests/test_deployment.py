@@ -103,11 +103,11 @@ def test_qwen3_drafter_preset_plans(model, kind, arch, tp):
     want = [StackedKvProjKey(StackedLayout(5, n_kv, 128, False, commit, norm, arch), v)
             for commit in (False, True) for v in variants_for(arch, 128, n_kv * 128)]
     assert p.keys()["stacked_kv_proj"] == want
-    # wgmma 13 tiles (m64, m128, m128w, the split-head m64h, 9 swapped sw*), the 2 wide
-    # swapped sw*w where kv holds 256 columns, and sw32 split in a cluster + mma 4 (m64, m128,
-    # swap16 with either hand-over), x2 forms
+    # wgmma 14 tiles (m64, m128, m128w, the split-head m64h, 9 swapped sw*, the persistent
+    # sw128p), the 2 wide swapped sw*w where kv holds 256 columns, and sw32 split in a cluster
+    # + mma 4 (m64, m128, swap16 with either hand-over), x2 forms
     wide = 4 if n_kv * 128 >= 256 else 0
-    assert len(want) == (36 + wide if arch == "sm_90a" else 8)
+    assert len(want) == (38 + wide if arch == "sm_90a" else 8)
     assert [len(c.keys) for c in p.cases] == [len(want) // 2] * 2
 
 

@@ -12,6 +12,7 @@ import torch
 from cute_kernels import LayoutError, check_stacked_kv_proj, stacked_kv_proj
 from cute_kernels import reference as ref
 from cute_kernels.stacked_kv_proj.plan import (
+    PERSISTENT_MAX_HIDDEN,
     TILES,
     StackedLayout,
     StackedPlan,
@@ -533,9 +534,11 @@ def test_swapped_wgmma_tile_rejects_256_wide_heads(device, monkeypatch):
     (65, "wgmma", 132, "sw80"),  # one wave of 80-token tiles against one of m128
     # (H200, cold us, 2026-12-04) one wave of 120 sw96w tiles 41.2 against three of m64 49.0
     # and two of sw96; two of sw96w 79.4 against sw192's two 84.1 and sw128's three 81.2; four
-    # of sw80w 140.7 against five of sw128 142.1 (a tie); 5 of sw256 243.7 against sw128w 244.0
-    (256, "wgmma", 132, "sw96w"), (512, "wgmma", 132, "sw96w"), (1024, "wgmma", 132, "sw80w"),
-    (2048, "wgmma", 132, "sw256"), (8192, "wgmma", 132, "sw256"),
+    # of sw80w 140.7 against five of sw128 142.1 (a tie); 5 of sw256 243.7 against sw128w 244.0;
+    # the persistent sw128p's 5 tiles a CTA 128.2 against sw80w's four waves 142.7, its 39 at
+    # T = 8192 935.3 against 951.9 for sw256
+    (256, "wgmma", 132, "sw96w"), (512, "wgmma", 132, "sw96w"), (1024, "wgmma", 132, "sw128p"),
+    (2048, "wgmma", 132, "sw256"), (8192, "wgmma", 132, "sw128p"),
     (1024, "wgmma", 114, "sw256"),  # H100 PCIe: 640 m128 tiles are 6 waves, 320 sw256 3
     (64, "mma", 132, "m64"), (8192, "mma", 132, "m128"),  # the mma core has no wide tile
 ])
@@ -543,6 +546,14 @@ def test_tile_choice(tokens, impl, sms, tile, monkeypatch):
     """The drafter layout (L 5, n_kv 8, D 128: 80 column tiles of 128)."""
     monkeypatch.delenv("CUTE_KERNELS_STACKED_TILE", raising=False)
     assert choose_tile(tokens, impl, 5, 8, 128, sms) == tile
+
+
+def test_persistent_tile_only_up_to_its_hidden_size(monkeypatch):
+    """H 8192 measured slower on sw128p: the plan keeps the one-tile-per-CTA tiles there."""
+    monkeypatch.delenv("CUTE_KERNELS_STACKED_TILE", raising=False)
+    assert choose_tile(1024, "wgmma", 5, 8, 128, 132, hidden=PERSISTENT_MAX_HIDDEN) == "sw128p"
+    assert choose_tile(1024, "wgmma", 5, 8, 128, 132,
+                       hidden=2 * PERSISTENT_MAX_HIDDEN) == "sw80w"
 
 
 def test_tile_choice_counts_the_layouts_tiles(monkeypatch):

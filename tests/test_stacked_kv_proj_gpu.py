@@ -179,6 +179,33 @@ def test_swapped_wgmma_tiles(case_args, monkeypatch):
     _check(case, rounds=3)
 
 
+PERSISTENT_SWAPPED_CASES = [  # (tokens, H, L, n_kv, D, bias, commit, CTA cap) of sw128p
+    (300, 2560, 2, 1, 64, True, False, None),  # kv 64: one consumer warpgroup, 3 token tiles
+    (1000, 448, 2, 2, 128, True, True, 7),  # 7 k-tiles; ~9 tiles a CTA, the ring wraps
+    (1, 4096, 5, 1, 128, False, False, None),  # T = 1: 127 zero-filled token rows
+    (257, 4096, 5, 2, 128, False, False, None),  # the last token tile 1 row
+    (600, 2560, 3, 4, 64, True, True, 5),  # two D = 64 heads a tile, 5 CTAs
+    (1000, 128, 2, 2, 128, False, False, 3),  # H 128: 2 k-tiles a tile, 3 CTAs
+]
+
+
+@pytest.mark.parametrize("case_args", PERSISTENT_SWAPPED_CASES, ids=str)
+def test_persistent_swapped_tiles(case_args, monkeypatch):
+    """The persistent swapped tile (epilogue warpgroup, staged tile apart from the ring)
+    forced on small and odd layouts, on grids that give each CTA many tiles, over three
+    runs."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the swapped wgmma tiles are the wgmma core's (sm_90a)")
+    tokens, hidden, layers, n_kv, head_dim, bias, commit, ctas = case_args
+    monkeypatch.setenv(IMPL_ENV, "wgmma")
+    monkeypatch.setenv(TILE_ENV, "sw128p")
+    if ctas is not None:
+        monkeypatch.setenv(CTAS_ENV, str(ctas))
+    case = make_case(tokens, hidden, layers, n_kv, head_dim, "cuda", bias=bias, commit=commit,
+                     seed=tokens + hidden + 1)
+    _check(case, rounds=3)
+
+
 def test_odd_k_tile_count(impl):
     """H = 448: 7 k-tiles, not a multiple of any ring depth."""
     case = make_case(33, 448, 2, 2, 128, "cuda", seed=16)

@@ -16,6 +16,8 @@ layer's K or V block and owns whole heads. The modules:
 - :mod:`.mma` — the portable ``cp.async`` + ``mma.sync`` core (every arch);
 - :mod:`.wgmma` — the sm_90a persistent, warp-specialised TMA + ``wgmma`` core;
 - :mod:`.wgmma_swap` — its swapped form (weight tile as the wgmma's M, tokens as its N);
+- :mod:`.wgmma_swap_persistent` — the swapped form persistent, an epilogue warpgroup
+  finishing one tile while the consumers multiply the next;
 - :mod:`.interface` — validation, compile key, build, launch and the public op.
 """
 

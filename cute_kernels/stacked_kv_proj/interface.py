@@ -64,6 +64,7 @@ from .plan import (
 )
 from .wgmma import StackedKvProjWgmma
 from .wgmma_swap import StackedKvProjWgmmaSwap
+from .wgmma_swap_persistent import StackedKvProjWgmmaSwapPersistent
 
 #: Byte alignment of each tensor argument: what the kernel is compiled to assume (the fake
 #: tensors of :func:`_build`) and what the validation checks, from this one table. Rows of
@@ -140,7 +141,10 @@ def _build(key: StackedKvProjKey):
             raise LayoutError(f"tile: expected a tile of whole heads for D = {d} (a swapped "
                               f"wgmma tile holds at most {SWAPPED_WGMMA_MAX_COLUMNS} weight "
                               f"rows), got {variant.tile}")
-        kernel = StackedKvProjWgmmaSwap(*core_args, variant.cluster)
+        if TILES[variant.tile].persistent:
+            kernel = StackedKvProjWgmmaSwapPersistent(*core_args)
+        else:
+            kernel = StackedKvProjWgmmaSwap(*core_args, variant.cluster)
     else:
         kernel = StackedKvProjWgmma(*core_args)
     # the split-K / stream-K workspace and counters, then the wgmma core's grid and DP tiles,

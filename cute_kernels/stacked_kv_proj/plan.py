@@ -61,6 +61,10 @@ class TileConfig:
     # fill the SMs (few weight tiles: TP 4 / TP 8 ranks, one-layer drafters); the epilogue is
     # the staged one. Weight tiles of 64 or 128 rows (not D = 256).
     tokens_n: bool = False
+    # Persistent swapped wgmma tile: one CTA per SM takes tiles in turn (wave costs: a CTA's
+    # first tile and each further one), the epilogue on a warpgroup of its own overlapping the
+    # next tile's MMAs (wgmma_swap_persistent).
+    persistent: bool = False
 
     def columns(self, head_dim: int, kv: int) -> int:
         """Stacked columns of one CTA tile of this config."""
@@ -161,8 +165,23 @@ SPLIT_SWAPPED_MAX_CTAS = 80
 #: on 40 tiles: 15.4 and 16.7 us in two runs against m64h's 15.6; one layer, T = 64: 14.7 /
 #: 14.8 against 15.3 / 15.2; TP 8, T = 128: 14.5 against 14.5).
 SPLIT_SWAPPED_MIN_SPLITS = 3
+#: The persistent swapped wgmma tile (``sw128p``, wgmma_swap_persistent): one CTA per SM takes
+#: its tiles in turn, the epilogue of one overlapping the next one's MMAs. Its time is a fixed
+#: part plus one part per tile of the busiest CTA (H200, 2026-12-04 17:24 UTC, cold, forced,
+#: TP 1..8 at T = 1024..4096: ~12 + 23 us x tiles a CTA, e.g. TP 1, T = 1024 (5 a CTA) 127.6 us
+#: against sw80w's 137.4, TP 2, T = 2048 129.2 against sw160's 140.1, TP 1, T = 4096 (20)
+#: 472.6); so its first "wave" (one tile a CTA) is dearer than sw128's and each further one
+#: cheaper. In m128 waves of 29.3 us. Tried and not kept: other token counts (64..192) and
+#: the wide tiles (48..80 tokens), each slower in every cell, and bf16 staging (PERF.md).
+TILE_PERSISTENT_SWAPPED = TileConfig("sw128p", bm=128, wide=False, mma_stages=0, cost=1.19,
+                                     wave_cost=0.79, tokens_n=True, persistent=True)
+#: ... planned up to this hidden size: at H 8192 (L 6, n_kv 8) it measured slower than the
+#: plan before it at T = 512 / 2048 / 4096 (154.1 / 562.0 / 1117.5 against 148.6 / 545.7 /
+#: 1099.5 us, same-run A/B, 2026-12-04 17:45 UTC), faster only at T = 8192 (2273.8 / 2376.7).
+PERSISTENT_MAX_HIDDEN = 4096
 TILES = {t.name: t for t in (TILE_SMALL, TILE_MEDIUM, TILE_WIDE, TILE_SWAP, TILE_SPLIT_HEAD,
-                             *TILES_SWAPPED_WGMMA, *TILES_SWAPPED_WIDE_WGMMA)}
+                             *TILES_SWAPPED_WGMMA, *TILES_SWAPPED_WIDE_WGMMA,
+                             TILE_PERSISTENT_SWAPPED)}
 SWAP_TILES = tuple(name for name, t in TILES.items() if t.swap)
 #: The largest T the swapped tile is planned for (the range its cost model was fitted on).
 SWAP_MAX_TOKENS = 256
@@ -443,7 +462,7 @@ def estimate(tiles: int, ctas: int, tile: TileConfig) -> float:
 
 
 def choose_tile(tokens: int, impl: str, num_layers: int, n_kv: int, head_dim: int,
-                sms: int, data_parallel: bool = True) -> str:
+                sms: int, data_parallel: bool = True, hidden: int | None = None) -> str:
     """The data-parallel tile for ``tokens`` rows of a layout on core ``impl`` with ``sms``
     SMs (``CUTE_KERNELS_STACKED_TILE`` overrides): the least :func:`estimate`, a wave being one
     tile per SM, priced by the tile's measured wave costs. The wave count is what makes m128
@@ -452,8 +471,11 @@ def choose_tile(tokens: int, impl: str, num_layers: int, n_kv: int, head_dim: in
     T = 256 (three short waves against one long one), the split-head tile win where its
     twice as many tiles still fit one wave (above ``SPLIT_HEAD_MIN_TOKENS``), and a swapped
     wgmma tile win where its token count fills the SMs in one wave where the others leave
-    many idle (TP 8, T = 1024: 13 x 10 tiles of sw80). The split-head and swapped wgmma tiles
-    are data-parallel only: with ``data_parallel`` False (a stream-K plan) neither."""
+    many idle (TP 8, T = 1024: 13 x 10 tiles of sw80), and the persistent swapped tile win
+    where the CTAs take several tiles each (TP 1, T = 1024: 5 of sw128p against 4 waves of
+    sw80w), up to ``PERSISTENT_MAX_HIDDEN`` (``hidden``; None: any). The split-head and
+    swapped wgmma tiles are data-parallel only: with ``data_parallel`` False (a stream-K plan)
+    neither."""
     forced = forced_tile(impl)
     if forced is not None:
         return forced
@@ -469,6 +491,8 @@ def choose_tile(tokens: int, impl: str, num_layers: int, n_kv: int, head_dim: in
             return False
         if config.split_head:
             return data_parallel and tokens >= SPLIT_HEAD_MIN_TOKENS and split_head_fits
+        if config.persistent and hidden is not None and hidden > PERSISTENT_MAX_HIDDEN:
+            return False
         if config.tokens_n:
             return (data_parallel and swapped_fits and tokens >= SWAPPED_WGMMA_MIN_TOKENS
                     and (not config.wide or wide_differs))
@@ -700,7 +724,7 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
             return plan
     # a forced stream-K schedule takes a whole-head tile (the split-head plan is data-parallel)
     tile = choose_tile(tokens, impl, layout.num_layers, layout.n_kv, layout.head_dim, ctas,
-                       data_parallel=wanted != "streamk")
+                       data_parallel=wanted != "streamk", hidden=hidden)
     if not overridden and tokens <= SWAP_MAX_TOKENS:
         plan, estimate_us = swap_plan(layout, tokens, hidden, ctas, residency)
         # no other core to weigh it against on an arch without wgmma: taken when it fits
@@ -712,6 +736,8 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
     tiles = tile_count(tokens, layout, config)
     if impl == "mma":
         return split_plan(layout, tile, tokens, hidden, ctas, residency, forced_handover())
+    if config.persistent:  # one CTA per SM, tiles in turn
+        return StackedPlan(StackedVariant(impl, tile), False, min(tiles, ctas), tiles)
     if config.tokens_n:  # one CTA per tile or split (check_overrides: never stream-K)
         splits = min(forced_splits() or 1, hidden // STACKED_K_TILE)
         return StackedPlan(StackedVariant(impl, tile, splits > 1), False, tiles * splits, tiles,

@@ -114,14 +114,7 @@ class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
             cute.slice_(sX_layout, (None, None, 0)), (self.bm, self.bk),
         )
 
-        @cute.struct
-        class SharedStorage:
-            full_empty: cute.struct.MemRange[Int64, self.stages * 2]
-            # the staged fp32 tile reuses both (contiguous: sW is a multiple of 1 KiB)
-            sW: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sW_layout)], 1024]
-            sX: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sX_layout)], 1024]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = self.shared_storage_type(sW_layout, sX_layout)
         kernel = self.kernel(
             tma_w, tma_mW, tma_x, tma_mX, mBias, mNormW, eps, mPos, mCosSin, mLoc, mCommit,
             width, k_caches, v_caches, splits, sW_layout, sX_layout, tiled_mma,
@@ -131,6 +124,46 @@ class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
                           cluster=[splits, 1, 1], stream=stream)
         else:
             kernel.launch(grid=[grid_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    def shared_storage_type(self, sW_layout: cute.ComposedLayout,
+                            sX_layout: cute.ComposedLayout) -> type:
+        """The CTA's SMEM: the ring's mbarriers and stages."""
+
+        return du.smem_struct(
+            "SharedStorage",
+            full_empty=cute.struct.MemRange[Int64, self.stages * 2],
+            # the staged fp32 tile reuses both (contiguous: sW is a multiple of 1 KiB)
+            sW=cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sW_layout)], 1024],
+            sX=cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sX_layout)], 1024],
+        )
+
+    def operand_tiles(self, storage, tma_w: cute.CopyAtom, mW: cute.Tensor,
+                      tma_x: cute.CopyAtom, mX: cute.Tensor, sW_layout: cute.ComposedLayout,
+                      sX_layout: cute.ComposedLayout) -> tuple:
+        """The ring's weight and token stages in SMEM and both operands' TMA partitions:
+        ``(sW, sX, tWsW, tWgW, tXsX, tXgX)``, the global ones over (n or m tile, k-tile)."""
+        sW = storage.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)
+        sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
+        gW = cute.local_tile(mW, (self.bn, self.bk), (None, None))  # (bn, bk, n tiles, k tiles)
+        gX = cute.local_tile(mX, (self.bm, self.bk), (None, None))  # (bm, bk, m tiles, k tiles)
+        tWsW, tWgW = cute.nvgpu.cpasync.tma_partition(
+            tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2)
+        )
+        tXsX, tXgX = cute.nvgpu.cpasync.tma_partition(
+            tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
+        )
+        return sW, sX, tWsW, tWgW, tXsX, tXgX
+
+    def consumer_fragments(self, tiled_mma: cute.TiledMma, ctid: Int32, sW: cute.Tensor,
+                           sX: cute.Tensor) -> tuple:
+        """Consumer thread ``ctid``'s wgmma operand descriptors over the ring, its fp32
+        accumulators (weight rows x tokens) and the k-blocks of a stage:
+        ``(tCrW, tCrX, acc, k_blocks)``."""
+        wg_mma = tiled_mma.get_slice(ctid - ctid % 128)
+        tCrW = tiled_mma.make_fragment_A(wg_mma.partition_A(sW))
+        tCrX = tiled_mma.make_fragment_B(wg_mma.partition_B(sX))
+        acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bn, self.bm)), Float32)
+        return tCrW, tCrX, acc, cute.size(tCrW, mode=[2])
 
     @cute.kernel
     def kernel(
@@ -173,16 +206,8 @@ class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
         ring = self.make_ring(storage.full_empty.data_ptr(), sW_layout, sX_layout)
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
-        sW = storage.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)
-        sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
-        gW = cute.local_tile(mW, (self.bn, self.bk), (None, None))  # (bn, bk, n tiles, k tiles)
-        gX = cute.local_tile(mX, (self.bm, self.bk), (None, None))  # (bm, bk, m tiles, k tiles)
-        tWsW, tWgW = cute.nvgpu.cpasync.tma_partition(
-            tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2)
-        )
-        tXsX, tXgX = cute.nvgpu.cpasync.tma_partition(
-            tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
-        )
+        sW, sX, tWsW, tWgW, tXsX, tXgX = self.operand_tiles(storage, tma_w, mW, tma_x, mX,
+                                                             sW_layout, sX_layout)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         warpgroup = cute.arch.make_warp_uniform(tidx // 128)
@@ -209,12 +234,7 @@ class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
             # while the main loop runs.
             rSlot, rPos, rCommitted, rCos, rSin, rBias, rNorm = self.epilogue_inputs(
                 mBias, mNormW, mPos, mLoc, mCommit, width, tile_m, tile_n, ctid)
-            wg_mma = tiled_mma.get_slice(ctid - ctid % 128)
-            tCrW = tiled_mma.make_fragment_A(wg_mma.partition_A(sW))
-            tCrX = tiled_mma.make_fragment_B(wg_mma.partition_B(sX))
-            acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bn, self.bm)),
-                                        Float32)
-            k_blocks = cute.size(tCrW, mode=[2])
+            tCrW, tCrX, acc, k_blocks = self.consumer_fragments(tiled_mma, ctid, sW, sX)
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             release = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.stages
