@@ -171,8 +171,9 @@ SPLIT_SWAPPED_MIN_SPLITS = 3
 #: TP 1..8 at T = 1024..4096: ~12 + 23 us x tiles a CTA, e.g. TP 1, T = 1024 (5 a CTA) 127.6 us
 #: against sw80w's 137.4, TP 2, T = 2048 129.2 against sw160's 140.1, TP 1, T = 4096 (20)
 #: 472.6); so its first "wave" (one tile a CTA) is dearer than sw128's and each further one
-#: cheaper. In m128 waves of 29.3 us. Tried and not kept: other token counts (64..192) and
-#: the wide tiles (48..80 tokens), each slower in every cell, and bf16 staging (PERF.md).
+#: cheaper. In m128 waves of 29.3 us. Tried and not kept (PERF.md): the wide tiles (48..80
+#: tokens) and other token counts (64..192), slower than the plan in every cell but sw160p
+#: with a bf16 staged tile at TP 4 / TP 8, T = 2048..4096 (7-8 %; its costs not fitted).
 TILE_PERSISTENT_SWAPPED = TileConfig("sw128p", bm=128, wide=False, mma_stages=0, cost=1.19,
                                      wave_cost=0.79, tokens_n=True, persistent=True)
 #: ... planned up to this hidden size: at H 8192 (L 6, n_kv 8) it measured slower than the
