@@ -556,6 +556,33 @@ def test_persistent_tile_only_up_to_its_hidden_size(monkeypatch):
                        hidden=2 * PERSISTENT_MAX_HIDDEN) == "sw80w"
 
 
+@pytest.mark.parametrize(("n_kv", "head_dim", "has_bias"),
+                         [(1, 64, False), (2, 64, True), (1, 128, False), (8, 128, True)])
+def test_persistent_core_fits_an_sm(n_kv, head_dim, has_bias):
+    """sw128p's static split of an SM: the setmaxnreg counts of its warpgroups within the 64 K
+    registers, every consumer warpgroup's count at most 232, the ring (at least 4 stages)
+    beside the staged fp32 tile within the SMEM budget, and the epilogue's passes covering
+    every row of the tile at most 4 rows a thread a pass."""
+    from cutlass import Float32
+
+    from cute_kernels.stacked_kv_proj import wgmma_swap_persistent as persistent
+    from cute_kernels.stacked_kv_proj.wgmma import PRODUCER_REGS, WGMMA_SMEM_BUDGET
+
+    core = persistent.StackedKvProjWgmmaSwapPersistent(5, n_kv, head_dim, has_bias, False,
+                                                       Float32, TILES["sw128p"])
+    consumers = core.consumer_warpgroups
+    assert consumers == min(n_kv * head_dim, 128) // 64
+    assert core.threads == 128 * (consumers + 2)
+    epilogue_regs = persistent.EPILOGUE_REGS if consumers == 2 else 65536 // core.threads
+    assert 128 * (PRODUCER_REGS + consumers * core.consumer_regs + epilogue_regs) <= 65536
+    assert core.consumer_regs <= persistent.MAX_CONSUMER_REGS and core.consumer_regs % 8 == 0
+    ring = core.stages * (core.bm + core.bn) * core.bk * 2
+    assert core.stages >= 4 and ring + 4 * core.staged_floats <= WGMMA_SMEM_BUDGET
+    assert core.rows_per_thread <= persistent.EPILOGUE_ROWS_PER_PASS
+    assert core.row_step * core.rows_per_thread >= core.bm
+    assert core.epilogue_threads == 128 * core.epilogue_passes
+
+
 def test_tile_choice_counts_the_layouts_tiles(monkeypatch):
     """L 2, n_kv 2: 8 column tiles, so 1024 tokens of 64-row tiles still fit in one wave."""
     monkeypatch.delenv("CUTE_KERNELS_STACKED_TILE", raising=False)
