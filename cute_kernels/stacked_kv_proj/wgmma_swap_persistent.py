@@ -18,8 +18,9 @@ from .wgmma_swap import MAX_STAGES, StackedKvProjWgmmaSwap
 # setmaxnreg of the epilogue warpgroup beside two consumer warpgroups (512 threads launch with
 # at most 128 registers; beside one, 384 threads, it keeps what the kernel launched with, up to
 # 168, as a decrease below an unknown launch count would be undefined): a pass of the epilogue
-# keeps at most EPILOGUE_ROWS_PER_PASS rows' cos/sin (16 fp32 each) in registers; at 128 ptxas
-# spilled (24 bytes for a 256-column tile). The consumers get the rest of the 64 K, at most 232.
+# keeps at most EPILOGUE_ROWS_PER_PASS rows' cos/sin (16 fp32 each) in registers (sw128p
+# compiles without spills at 128 or 160; 160, as measured, leaves room for the 24 bytes a
+# 256-column tile spilled at 128). The consumers get the rest of the 64 K, at most 232.
 EPILOGUE_REGS = 160
 EPILOGUE_ROWS_PER_PASS = 4
 MAX_CONSUMER_REGS = 232
