@@ -36,11 +36,16 @@ class StagedEpilogue:
         self.epilogue_threads = threads
         self.epilogue_barrier_id = barrier_id
         self.lanes_per_head = self.head_dim // (2 * CHUNK)
-        self.row_step = threads // (self.lanes_per_head * self.heads_per_tile)
+        self.row_step = self.epilogue_row_step(threads)
         assert self.row_step >= 1
         self.rows_per_thread = -(-self.bm // self.row_step)
         self.c_stride = c_stride
         assert c_stride % 4 == 0, "16-byte rows of the staged tile"
+
+    def epilogue_row_step(self, threads: int) -> int:
+        """Tile rows that ``threads`` epilogue threads take at once: ``D / 16`` threads a
+        (row, head)."""
+        return threads // (self.head_dim // (2 * CHUNK) * self.heads_per_tile)
 
     def sync_epilogue_threads(self) -> None:
         """A barrier of the epilogue's threads (the CTA's, or their named one)."""

@@ -84,6 +84,27 @@ class WgmmaPipeline:
         ring.producer_commit(producer)
 
     @cute.jit
+    def multiply(self, ring, read, release, tiled_mma, acc, tCrA, tCrB, k_blocks: int,
+                 k_count: Int32) -> tuple:
+        """``acc`` = the sum over the next ``k_count`` stages of the ring (at least one), one
+        wgmma group in flight; every stage but the last goes back to the producer as soon as
+        its wgmmas retire, and all have retired on return. Returns the advanced ``(read,
+        release)`` states (``release`` at the last stage, not released)."""
+        acc.fill(0.0)
+        self.mma_stage(ring, read, tiled_mma, acc, tCrA, tCrB, k_blocks)
+        read.advance()
+        for _k_tile in cutlass.range(1, k_count, unroll=1):
+            self.mma_stage(ring, read, tiled_mma, acc, tCrA, tCrB, k_blocks)
+            # Keep one wgmma group in flight; the one before it has retired, so its stage
+            # goes back to the producer.
+            cute.nvgpu.warpgroup.wait_group(1)
+            ring.consumer_release(release)
+            read.advance()
+            release.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+        return read, release
+
+    @cute.jit
     def mma_stage(self, ring, state, tiled_mma, acc, tCrA, tCrB, k_blocks: int) -> None:
         """Wait for k-tile ``state`` to land, then issue its wgmmas as one commit group."""
         ring.consumer_wait(state)
@@ -343,18 +364,8 @@ class StackedKvProjWgmma(WgmmaPipeline, StackedKvProjBase):
                                                      tile_m * self.bm + row))
                 positions = [cutlass.select_(valid, mPos[t], Int64(0)) for t, _, valid in rows]
                 # acc = the sum over this unit's k-tiles
-                acc.fill(0.0)
-                self.mma_stage(ring, read, tiled_mma, acc, tCrA, tCrB, k_blocks)
-                read.advance()
-                for _k_tile in cutlass.range(1, k_hi - k_lo, unroll=1):
-                    self.mma_stage(ring, read, tiled_mma, acc, tCrA, tCrB, k_blocks)
-                    # Keep one wgmma group in flight; the one before it has retired, so
-                    # its stage goes back to the producer.
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    ring.consumer_release(release)
-                    read.advance()
-                    release.advance()
-                cute.nvgpu.warpgroup.wait_group(0)
+                read, release = self.multiply(ring, read, release, tiled_mma, acc, tCrA, tCrB,
+                                              k_blocks, k_hi - k_lo)
                 ring.consumer_release(release)
                 release.advance()
                 finish = Int32(1)

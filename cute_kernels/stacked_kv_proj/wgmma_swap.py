@@ -53,6 +53,9 @@ class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
     drafter at decode sizes stream on up to ``S`` times as many SMs, each with this core's
     TMA ring, and the per-head norm still sees full sums."""
 
+    #: warpgroups besides the producer and the consumers (the persistent core's epilogue)
+    EPILOGUE_WARPGROUPS = 0
+
     def __init__(self, num_layers: int, n_kv: int, head_dim: int, has_bias: bool,
                  has_commit: bool, norm_dtype: type, tile: TileConfig,
                  cluster: bool = False) -> None:
@@ -62,9 +65,14 @@ class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
         self.consumer_warpgroups = min(bn // 64, 2)
         self.cluster = cluster  # K split over a cluster's CTAs, partials summed through DSMEM
         super().__init__(num_layers, n_kv, head_dim, has_bias, has_commit, norm_dtype, tile,
-                         128 * (1 + self.consumer_warpgroups))
+                         128 * (1 + self.consumer_warpgroups + self.EPILOGUE_WARPGROUPS))
         assert self.bm % 8 == 0 and self.bm <= 256, "the wgmma's N"
         self.consumer_threads = 128 * self.consumer_warpgroups
+        self.init_ring_and_epilogue()
+
+    def init_ring_and_epilogue(self) -> None:
+        """The ring's depth and the staged epilogue's mapping: the consumers finish the rows
+        themselves, from the drained ring."""
         self.stages = self.ring_stages(MAX_STAGES, WGMMA_SMEM_BUDGET)
         self.init_staged_epilogue(self.consumer_threads, self.bn + SWAPPED_C_ROW_PAD,
                                   CONSUMER_BARRIER)
@@ -128,7 +136,6 @@ class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
     def shared_storage_type(self, sW_layout: cute.ComposedLayout,
                             sX_layout: cute.ComposedLayout) -> type:
         """The CTA's SMEM: the ring's mbarriers and stages."""
-
         return du.smem_struct(
             "SharedStorage",
             full_empty=cute.struct.MemRange[Int64, self.stages * 2],
@@ -240,18 +247,8 @@ class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
                 pipeline.PipelineUserType.Consumer, self.stages
             )
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            acc.fill(0.0)
-            self.mma_stage(ring, read, tiled_mma, acc, tCrW, tCrX, k_blocks)
-            read.advance()
-            for _k_tile in cutlass.range(1, k_hi - k_lo, unroll=1):
-                self.mma_stage(ring, read, tiled_mma, acc, tCrW, tCrX, k_blocks)
-                # Keep one wgmma group in flight; the one before it has retired, so its
-                # stage goes back to the producer.
-                cute.nvgpu.warpgroup.wait_group(1)
-                ring.consumer_release(release)
-                read.advance()
-                release.advance()
-            cute.nvgpu.warpgroup.wait_group(0)
+            read, release = self.multiply(ring, read, release, tiled_mma, acc, tCrW, tCrX,
+                                          k_blocks, k_hi - k_lo)
             # Every stage has landed and every wgmma has read its operands: the ring is free
             # once all consumer warpgroups are here (the fence orders the async proxy's TMA
             # writes and wgmma reads before the staging's generic writes).

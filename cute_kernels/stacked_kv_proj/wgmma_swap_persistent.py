@@ -11,7 +11,7 @@ import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float32, Int64, const_expr
 
 from .. import dsl_utils as du
-from .plan import SWAPPED_C_ROW_PAD, TileConfig
+from .plan import SWAPPED_C_ROW_PAD
 from .wgmma import PRODUCER_REGS, WGMMA_SMEM_BUDGET
 from .wgmma_swap import MAX_STAGES, StackedKvProjWgmmaSwap
 
@@ -45,19 +45,20 @@ class StackedKvProjWgmmaSwapPersistent(StackedKvProjWgmmaSwap):
     writes to the epilogue's wait, the empty barrier's the epilogue's reads to the next
     staging)."""
 
-    def __init__(self, num_layers: int, n_kv: int, head_dim: int, has_bias: bool,
-                 has_commit: bool, norm_dtype: type, tile: TileConfig) -> None:
-        super().__init__(num_layers, n_kv, head_dim, has_bias, has_commit, norm_dtype, tile)
+    EPILOGUE_WARPGROUPS = 1
+
+    def init_ring_and_epilogue(self) -> None:
+        """The ring beside the staged tile, the consumers' registers, and the epilogue
+        warpgroup's mapping: ``128 x passes`` threads, each pass at most
+        ``EPILOGUE_ROWS_PER_PASS`` rows a thread."""
         self.epilogue_warpgroup = 1 + self.consumer_warpgroups
-        self.threads = 128 * (self.epilogue_warpgroup + 1)
         c_stride = self.bn + SWAPPED_C_ROW_PAD
         self.staged_floats = self.bm * c_stride
         self.stages = self.ring_stages(MAX_STAGES, WGMMA_SMEM_BUDGET - 4 * self.staged_floats)
         assert self.stages >= 2, "a ring beside the staged tile"
         regs = (512 - PRODUCER_REGS - EPILOGUE_REGS) // self.consumer_warpgroups
         self.consumer_regs = min(MAX_CONSUMER_REGS, regs - regs % 8)
-        # the epilogue's passes: rows a thread of 128 would finish, EPILOGUE_ROWS_PER_PASS a pass
-        rows_of_128 = -(-self.bm // (128 // (self.head_dim // 16 * self.heads_per_tile)))
+        rows_of_128 = -(-self.bm // self.epilogue_row_step(128))
         self.epilogue_passes = -(-rows_of_128 // EPILOGUE_ROWS_PER_PASS)
         self.init_staged_epilogue(128 * self.epilogue_passes, c_stride, None)
 
@@ -175,18 +176,9 @@ class StackedKvProjWgmmaSwapPersistent(StackedKvProjWgmmaSwap):
             stage = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             for _tile in cutlass.range(bid, num_tiles, grid, unroll=1):
-                acc.fill(0.0)
-                self.mma_stage(ring, read, tiled_mma, acc, tCrW, tCrX, k_blocks)
-                read.advance()
-                for _k_tile in cutlass.range(1, k_tiles, unroll=1):
-                    self.mma_stage(ring, read, tiled_mma, acc, tCrW, tCrX, k_blocks)
-                    # one wgmma group in flight; the stage of the one before goes back
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    ring.consumer_release(release)
-                    read.advance()
-                    release.advance()
-                cute.nvgpu.warpgroup.wait_group(0)
-                ring.consumer_release(release)
+                read, release = self.multiply(ring, read, release, tiled_mma, acc, tCrW, tCrX,
+                                              k_blocks, k_tiles)
+                ring.consumer_release(release)  # the ring runs on into the next tile
                 release.advance()
                 staged.producer_acquire(stage)
                 self.stage_fragment(tiled_mma, ctid, acc, sC, True)
