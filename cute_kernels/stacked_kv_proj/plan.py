@@ -154,7 +154,10 @@ SWAPPED_WGMMA_MAX_COLUMNS = 128
 #: CTA's MMA work is ``2 N 128 H / S`` whatever T, and one SM's tensor pipe makes larger N
 #: slower at every decode size measured (H200, 2026-12-02 20:00 UTC, cold us, TP 8, T = 1,
 #: 8 splits: sw32 10.9, sw64 11.7, sw128 14.3; T = 64, best split: sw32 13.1, sw64 13.7,
-#: sw128 15.6, sw256 26+; specs/stacked_kv_proj.md).
+#: sw128 15.6, sw256 26+; specs/stacked_kv_proj.md). Nor where larger N fills its tiles
+#: (T = 64..512 at TP 2 / 4 / 8 and one layer, sw64 split 2 / 4 / 6 and sw128 split 2..8:
+#: slower than the plan in all 16 cells, e.g. one layer, T = 256: sw64 21.3, sw128 26.2 at
+#: best against sw32's 18.2; H200, 2026-12-04 18:54 UTC, PERF.md).
 SPLIT_SWAPPED_WGMMA_TILES = ("sw32",)
 #: Most CTAs of the split swapped plan: the best split measured on at most 80 CTAs in every
 #: layout where it won (TP 8, T = 64 on 20 tiles: 3 / 4 / 6 / 8 splits 13.1 / 13.1 / 17.4 /
