@@ -608,8 +608,7 @@ def kv_rope_insert(
     expect_arg(cos_sin_cache, "cos_sin_cache", (torch.float32,), 2, ALIGN["cos_sin_cache"],
                device, "kv", sizes={1: ROPE_DIM}, contiguous=True)
 
-    if fmt is CacheFormat.FP8:
-        expect_fp8_scale(fp8_scale, device, "kv", ALIGN["fp8_scale"])
+    expect_fp8_scale(fp8_scale, device, "kv", ALIGN["fp8_scale"], fmt is CacheFormat.FP8)
 
     arch = arch_for(device)
     return KvRopeInsertKey(fmt, arch) if arch is not None else None

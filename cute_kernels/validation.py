@@ -180,8 +180,15 @@ def expect_paged_cache_strides(
 
 
 def expect_fp8_scale(fp8_scale: object, device: torch.device, ref_arg: str,
-                     align_bytes: int) -> None:
-    """The per-tensor scale of a float8_e4m3fn cache: one fp32 element, read on the device."""
+                     align_bytes: int, read: bool) -> None:
+    """The per-tensor scale of a float8_e4m3fn cache (``read``): one fp32 element, read on the
+    device. For any other cache it is not read: None or a tensor (a caller may pass its layer's
+    scale whatever the cache), nothing else."""
+    if not read:
+        if fp8_scale is not None and not isinstance(fp8_scale, torch.Tensor):
+            fail("fp8_scale", "None or a torch.Tensor (not read for this cache)",
+                 describe(fp8_scale))
+        return
     if fp8_scale is None:
         fail("fp8_scale", "a float32 tensor of one element for a float8_e4m3fn cache", None)
     expect_tensor(fp8_scale, "fp8_scale")

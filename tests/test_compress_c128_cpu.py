@@ -312,6 +312,16 @@ def test_fp8_scale_numel(device):
 
 
 @pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_scale_of_another_cache_is_none_or_a_tensor(device):
+    """Not read for a packed or bf16 cache: a tensor of any kind is accepted (a caller may
+    pass its layer's scale whatever the cache), anything else is rejected by name."""
+    check_compress_c128(**_args(device, fp8_scale=lambda a: torch.ones(3, dtype=torch.float64)))
+    check_compress_c128(**_args(device, "bf16", fp8_scale=None))
+    _rejects(_args(device, fp8_scale=0.5), "fp8_scale", "None or a torch.Tensor")
+    _rejects(_args(device, "bf16", fp8_scale="1.0"), "fp8_scale", "None or a torch.Tensor")
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
 def test_unsupported_arch(device, monkeypatch):
     monkeypatch.setenv("CUTE_KERNELS_ARCH", "sm_89")
     with pytest.raises(LayoutError, match="arch: expected one of"):

@@ -47,6 +47,15 @@ def test_accepts_supported_layouts(device, fmt):
     assert check_kv_rope_insert(**_args(device, fmt)) is None
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["v4_packed", "v41_mxfp8", "bf16"])
+def test_scale_of_another_cache_is_not_read(device, fmt):
+    """A scale tensor of any kind passes for a cache that does not read it (a caller may pass
+    its layer's scale whatever the cache; rejections of other types: REJECTIONS)."""
+    scale = torch.ones(2, 2, dtype=torch.float16)
+    assert check_kv_rope_insert(**_args(device, fmt, fp8_scale=scale)) is None
+
+
 def _like(t, **kw):
     return torch.empty(kw.pop("shape", t.shape), dtype=kw.pop("dtype", t.dtype), device=t.device)
 
@@ -128,6 +137,11 @@ REJECTIONS = {  # name -> (format, overrides, fragments of the message)
     "fp8_scale_numel": ("fp8", dict(fp8_scale=lambda a: _like(a["fp8_scale"], shape=(2,))),
                         ("fp8_scale", "one element")),
     "fp8_scale_a_float": ("fp8", dict(fp8_scale=0.7), ("fp8_scale", "torch.Tensor")),
+    # not read for the other caches, but still None or a tensor
+    "fp8_scale_a_string_for_bf16": ("bf16", dict(fp8_scale="1.0"),
+                                    ("fp8_scale", "None or a torch.Tensor")),
+    "fp8_scale_a_float_for_packed": ("v4_packed", dict(fp8_scale=0.7),
+                                     ("fp8_scale", "None or a torch.Tensor")),
 }
 
 

@@ -245,8 +245,8 @@ def compress_c128(
     expect_paged_cache_strides(k_cache, "k_cache", kv_block_size, fmt.record_width, fmt.packed,
                                ALIGN["k_cache"])
 
-    if fmt is CacheFormat.FP8:
-        expect_fp8_scale(fp8_scale, device, "state_cache", ALIGN["fp8_scale"])
+    expect_fp8_scale(fp8_scale, device, "state_cache", ALIGN["fp8_scale"],
+                     fmt is CacheFormat.FP8)
 
     arch = arch_for(device)
     if arch is None:
