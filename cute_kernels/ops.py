@@ -128,6 +128,15 @@ def _signature(env: object, args: tuple) -> tuple:
     return tuple(sig)
 
 
+def _signature_or_none(env: object, args: tuple) -> tuple | None:
+    """:func:`_signature`, or None when a tensor has no strides or data pointer to read (a
+    sparse one): such a call is validated in full, which rejects it by name."""
+    try:
+        return _signature(env, args)
+    except RuntimeError:
+        return None
+
+
 class RecentLayout:
     """A layout accepted before, as a cheaper test than its signature: which arguments are
     tensors or sequences of tensors, every other argument's type and value, a
@@ -335,7 +344,9 @@ def cute_op(
         recent_accepted: list[RecentLayout] = []  # the last few of each, matched first
         recent_checked: list[RecentLayout] = []
 
-        def remember(table: dict, sig: tuple, value: object) -> None:
+        def remember(table: dict, sig: tuple | None, value: object) -> None:
+            if sig is None:  # no signature: never remembered
+                return
             if len(table) >= MAX_REMEMBERED_LAYOUTS:
                 table.clear()
             try:
@@ -366,7 +377,7 @@ def cute_op(
                         refused(args)
                         raise
                     return
-            sig = _signature(env, args)
+            sig = _signature_or_none(env, args)
             try:
                 launch = accepted.get(sig)
             except TypeError:
@@ -415,9 +426,9 @@ def cute_op(
             for entry in recent_checked:
                 if entry.match16(env, args) or entry.matches_misaligned(env, args):
                     return
-            sig = _signature(env, args)
+            sig = _signature_or_none(env, args)
             try:
-                known = sig in checked
+                known = sig is not None and sig in checked
             except TypeError:
                 known = False
             if not known:

@@ -35,8 +35,12 @@ def describe(value: object) -> str:
 
 
 def expect_tensor(t: object, arg: str) -> torch.Tensor:
+    """A dense torch.Tensor: the kernels address every argument by its strides (a sparse or
+    otherwise unstrided tensor has none, nor a data pointer to pass)."""
     if not isinstance(t, torch.Tensor):
         fail(arg, "a torch.Tensor", describe(t))
+    if t.layout is not torch.strided:
+        fail(arg, "a dense (torch.strided) tensor", f"layout {t.layout}")
     return t
 
 

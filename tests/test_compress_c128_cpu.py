@@ -224,6 +224,9 @@ def _rejects(args, *fragments):
 
 
 REJECTIONS = {
+    "state_cache_without_pages": (dict(state_cache=lambda a: _new(a["state_cache"],
+                                                                  (0, 8, 1024))),
+                                  ("state_cache", "at least one page")),
     "state_dtype": (dict(state_cache=lambda a: _new(a["state_cache"], (4, 8, 1024),
                                                     torch.bfloat16)), ("state_cache", "float32")),
     "state_block_size_4": (dict(state_cache=lambda a: _new(a["state_cache"], (4, 4, 1024))),

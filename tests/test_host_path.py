@@ -4,6 +4,8 @@ message, whatever was accepted before."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -70,6 +72,33 @@ def test_a_recent_layout_is_matched_without_the_signature(name, monkeypatch):
     assert built == []
     other = (_offset(args[0]), *args[1:])  # misaligned: not matched, validated, rejected
     assert _message(op.check, *other) is not None and built == [1]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_sparse_tensor_is_rejected_by_name(name):
+    """A sparse tensor has neither strides nor a data pointer, so no signature: the check and
+    the call validate it in full and name it; nothing is launched or remembered."""
+    op = getattr(cute_kernels, name)
+    op.forget_layouts()
+    args = CASES[name]()
+    first = next(iter(inspect.signature(op).parameters))
+    bad = (args[0].to_sparse(), *args[1:])
+    assert first in _message(op.check, *bad) and "torch.strided" in _message(op.check, *bad)
+    with cpu_launches() as launches:
+        assert _message(op, *bad) == _message(op.validate, *bad)
+        assert launches == []
+        op(*args)
+        assert len(launches) == 1
+    assert op.check(*args) is None
+
+
+def test_a_sparse_item_of_a_sequence_is_rejected_by_name():
+    stacked = cute_kernels.stacked_kv_proj
+    stacked.forget_layouts()
+    args = list(stacked_kv_proj_case(8, hidden=128).args())
+    stacked.check(*args)
+    sparse_cache = [*args[:9], [args[9][0].to_sparse(), *args[9][1:]], *args[10:]]
+    assert "v_caches[0]" in _message(stacked.check, *sparse_cache)
 
 
 def test_a_recent_layout_asks_for_the_same_types_and_values():

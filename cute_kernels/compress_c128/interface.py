@@ -205,6 +205,8 @@ def compress_c128(
     if state_cache.stride(2) != 1 or state_cache.stride(1) != C128_STATE_WIDTH:
         fail("state_cache", f"row stride {C128_STATE_WIDTH} and unit inner stride",
              f"strides {state_cache.stride()}")
+    if state_cache.shape[0] == 0:  # page ids are clamped into the cache: it needs a page
+        fail("state_cache", "at least one page", f"shape {tuple(state_cache.shape)}")
     page_floats = C128_STATE_BLOCK * C128_STATE_WIDTH
     if state_cache.shape[0] > 1 and state_cache.stride(0) < page_floats:
         fail("state_cache", f"page stride >= {page_floats} (pages must not overlap)",
