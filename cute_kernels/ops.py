@@ -93,48 +93,44 @@ def _signature(env: object, args: tuple) -> tuple:
     Each tensor contributes (dtype, shape, strides, device, address & 15), each sequence its
     type and length followed by its items', anything else (type, value). The entries are read
     left to right, and the first item of each tells which kind it is (a ``torch.dtype`` or a
-    type), so equal signatures mean equal metadata argument by argument."""
+    type), so equal signatures mean equal metadata argument by argument. A tensor without a
+    data pointer (a sparse one) makes the signature unhashable, as an unhashable argument
+    does: it is looked up and remembered nowhere, and the full validation names the tensor."""
     sig = [env]
     add = sig.append
     # The tensor branch is written out twice (top level, and items of a list) rather than
     # shared through a helper or a flattening inner loop: measured on the development CPU,
     # a known kv_rope_insert layout costs 2.72 us this way and 3.23 us with one loop over
     # flattened items (stacked_kv_proj: 8.31 against 8.94).
-    for a in args:
-        if isinstance(a, _Tensor):
-            add(a.dtype)
-            add(a.shape)
-            add(a.stride())
-            add(a.device)
-            add(a.data_ptr() & 15)
-        elif isinstance(a, _SEQUENCES):
-            add(type(a))
-            add(len(a))
-            for c in a:
-                if isinstance(c, _Tensor):
-                    add(c.dtype)
-                    add(c.shape)
-                    add(c.stride())
-                    add(c.device)
-                    add(c.data_ptr() & 15)
-                elif isinstance(c, _SEQUENCES):
-                    add(_meta(c))
-                else:
-                    add(type(c))
-                    add(c)
-        else:
-            add(type(a))
-            add(a)
-    return tuple(sig)
-
-
-def _signature_or_none(env: object, args: tuple) -> tuple | None:
-    """:func:`_signature`, or None when a tensor has no strides or data pointer to read (a
-    sparse one): such a call is validated in full, which rejects it by name."""
     try:
-        return _signature(env, args)
-    except RuntimeError:
-        return None
+        for a in args:
+            if isinstance(a, _Tensor):
+                add(a.dtype)
+                add(a.shape)
+                add(a.stride())
+                add(a.device)
+                add(a.data_ptr() & 15)
+            elif isinstance(a, _SEQUENCES):
+                add(type(a))
+                add(len(a))
+                for c in a:
+                    if isinstance(c, _Tensor):
+                        add(c.dtype)
+                        add(c.shape)
+                        add(c.stride())
+                        add(c.device)
+                        add(c.data_ptr() & 15)
+                    elif isinstance(c, _SEQUENCES):
+                        add(_meta(c))
+                    else:
+                        add(type(c))
+                        add(c)
+            else:
+                add(type(a))
+                add(a)
+    except RuntimeError:  # a tensor without storage has no data pointer
+        return (env, sig)  # unhashable (a list inside)
+    return tuple(sig)
 
 
 class RecentLayout:
@@ -344,9 +340,7 @@ def cute_op(
         recent_accepted: list[RecentLayout] = []  # the last few of each, matched first
         recent_checked: list[RecentLayout] = []
 
-        def remember(table: dict, sig: tuple | None, value: object) -> None:
-            if sig is None:  # no signature: never remembered
-                return
+        def remember(table: dict, sig: tuple, value: object) -> None:
             if len(table) >= MAX_REMEMBERED_LAYOUTS:
                 table.clear()
             try:
@@ -377,7 +371,7 @@ def cute_op(
                         refused(args)
                         raise
                     return
-            sig = _signature_or_none(env, args)
+            sig = _signature(env, args)
             try:
                 launch = accepted.get(sig)
             except TypeError:
@@ -426,9 +420,9 @@ def cute_op(
             for entry in recent_checked:
                 if entry.match16(env, args) or entry.matches_misaligned(env, args):
                     return
-            sig = _signature_or_none(env, args)
+            sig = _signature(env, args)
             try:
-                known = sig is not None and sig in checked
+                known = sig in checked
             except TypeError:
                 known = False
             if not known:
