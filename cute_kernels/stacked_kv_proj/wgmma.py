@@ -43,6 +43,19 @@ class WgmmaPipeline:
         row_stride = cutlass.max(mX.stride[0], Int64(mX.shape[1]))
         return cute.make_tensor(mX.iterator, cute.make_layout(mX.shape, stride=(row_stride, 1)))
 
+    @cute.jit
+    def kernel_start(self, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom) -> tuple:
+        """A CTA's indices ``(thread, block, grid size, warp)``, warp 0 having prefetched both
+        operands' TMA descriptors (the first loads then skip the descriptor fetch)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+        return tidx, bid, grid, warp
+
     def make_ring(self, barriers: cute.Pointer, sA_layout: cute.ComposedLayout,
                   sB_layout: cute.ComposedLayout) -> pipeline.PipelineTmaAsync:
         """The mbarrier ring of A and B stages (barriers at ``barriers``): one TMA thread
@@ -255,13 +268,7 @@ class StackedKvProjWgmma(WgmmaPipeline, StackedKvProjBase):
         sB_layout: cute.ComposedLayout,
         tiled_mma: cute.TiledMma,
     ) -> None:
-        tidx, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+        tidx, bid, grid, warp = self.kernel_start(tma_a, tma_b)
         num_m_tiles = cute.ceil_div(mLoc.shape[0], self.bm)
         k_tiles = mA.shape[1] // self.bk
         sk = StreamK((num_m_tiles * self.num_n_tiles - dp_tiles) * k_tiles, k_tiles, bid, grid)

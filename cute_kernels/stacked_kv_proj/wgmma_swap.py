@@ -194,12 +194,7 @@ class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
         sX_layout: cute.ComposedLayout,
         tiled_mma: cute.TiledMma,
     ) -> None:
-        tidx, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
+        tidx, bid, _, warp = self.kernel_start(tma_w, tma_x)
         num_tokens = mLoc.shape[0]
         tile = bid // splits
         split = bid - tile * splits  # the CTA's rank in its cluster

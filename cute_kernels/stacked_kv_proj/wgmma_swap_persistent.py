@@ -97,13 +97,7 @@ class StackedKvProjWgmmaSwapPersistent(StackedKvProjWgmmaSwap):
         sX_layout: cute.ComposedLayout,
         tiled_mma: cute.TiledMma,
     ) -> None:
-        tidx, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
+        tidx, bid, grid, warp = self.kernel_start(tma_w, tma_x)
         num_tokens = mLoc.shape[0]
         num_m_tiles = cute.ceil_div(num_tokens, self.bm)
         num_tiles = num_m_tiles * self.num_n_tiles
