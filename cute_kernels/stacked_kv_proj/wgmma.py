@@ -43,6 +43,17 @@ class WgmmaPipeline:
         row_stride = cutlass.max(mX.stride[0], Int64(mX.shape[1]))
         return cute.make_tensor(mX.iterator, cute.make_layout(mX.shape, stride=(row_stride, 1)))
 
+    def producer_start(self, hidden: Int32) -> tuple:
+        """The producer's ring state and its loads' L2 policies: ``(state, whether the weight
+        loads evict first, the evict-first cache policy)``."""
+        return (pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages),
+                self.weight_evict_first(hidden), du.evict_first_policy())
+
+    def consumer_states(self) -> tuple:
+        """The consumers' ``(read, release)`` states of the ring, both at its first stage."""
+        return (pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages),
+                pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages))
+
     @cute.jit
     def kernel_start(self, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom) -> tuple:
         """A CTA's indices ``(thread, block, grid size, warp)``, warp 0 having prefetched both
@@ -302,11 +313,7 @@ class StackedKvProjWgmma(WgmmaPipeline, StackedKvProjBase):
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
-                producer = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.stages
-                )
-                evict_first = self.weight_evict_first(mA.shape[1])
-                stream = du.evict_first_policy()
+                producer, evict_first, stream = self.producer_start(mA.shape[1])
                 # The consumers' order: the data-parallel tiles, then the stream-K range.
                 # (pipeline states advance in the loop bodies: the tracer carries locals only)
                 for tile in cutlass.range(bid, dp_tiles, grid, unroll=1):
@@ -335,10 +342,7 @@ class StackedKvProjWgmma(WgmmaPipeline, StackedKvProjBase):
                 cute.make_identity_tensor((self.bm, self.bn))
             )
             k_blocks = cute.size(tCrA, mode=[2])
-            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            release = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, self.stages
-            )
+            read, release = self.consumer_states()
             num_dp = (dp_tiles - bid + grid - 1) // grid
             # Zeroed accumulators (each unit) and a static ACCUMULATE flag (set once, outside
             # the unit's branches): nothing loop-carried in the MMA.

@@ -216,12 +216,9 @@ class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
-                producer = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.stages
-                )
-                operands = ((tma_w, tWgW, tWsW, tile_n, self.weight_evict_first(mX.shape[1])),
+                producer, evict_first, stream = self.producer_start(mX.shape[1])
+                operands = ((tma_w, tWgW, tWsW, tile_n, evict_first),
                             (tma_x, tXgX, tXsX, tile_m, None))
-                stream = du.evict_first_policy()
                 for k_tile in cutlass.range(k_lo, k_hi, unroll=1):
                     self.load_stage(ring, producer, operands, k_tile, stream)
                     producer.advance()
@@ -237,10 +234,7 @@ class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
             rSlot, rPos, rCommitted, rCos, rSin, rBias, rNorm = self.epilogue_inputs(
                 mBias, mNormW, mPos, mLoc, mCommit, width, tile_m, tile_n, ctid)
             tCrW, tCrX, acc, k_blocks = self.consumer_fragments(tiled_mma, ctid, sW, sX)
-            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            release = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, self.stages
-            )
+            read, release = self.consumer_states()
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             read, release = self.multiply(ring, read, release, tiled_mma, acc, tCrW, tCrX,
                                           k_blocks, k_hi - k_lo)

@@ -125,11 +125,7 @@ class StackedKvProjWgmmaSwapPersistent(StackedKvProjWgmmaSwap):
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
-                producer = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.stages
-                )
-                evict_first = self.weight_evict_first(mX.shape[1])
-                stream = du.evict_first_policy()
+                producer, evict_first, stream = self.producer_start(mX.shape[1])
                 for tile in cutlass.range(bid, num_tiles, grid, unroll=1):
                     tile_m, tile_n = self.tile_coords(tile, num_m_tiles)
                     operands = ((tma_w, tWgW, tWsW, tile_n, evict_first),
@@ -163,10 +159,7 @@ class StackedKvProjWgmmaSwapPersistent(StackedKvProjWgmmaSwap):
             cute.arch.setmaxregister_increase(self.consumer_regs)
             ctid = tidx - 128  # thread index among the consumers
             tCrW, tCrX, acc, k_blocks = self.consumer_fragments(tiled_mma, ctid, sW, sX)
-            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            release = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, self.stages
-            )
+            read, release = self.consumer_states()
             stage = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             for _tile in cutlass.range(bid, num_tiles, grid, unroll=1):
