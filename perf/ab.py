@@ -7,8 +7,8 @@ run in alternating processes, and whether their outputs are byte-identical.
 Cells (the make perf inputs of each op):
 
 - ``stacked:<layout>[:<T>[:<tile>[:<schedule>[:<CTA cap>]]]]``, a layout of
-  ``perf.sweep_stacked.LAYOUTS`` (tp1, tp2, tp4, tp8, 1layer, small, large, d64, d256, 4b-tp2)
-  and the ``CUTE_KERNELS_STACKED_{TILE,SCHEDULE,CTAS}`` overrides (``auto``: the plan);
+  ``perf.sweep_stacked.LAYOUTS`` (tp1, tp2, tp4, tp8, 1layer, small, large, d64, d256, 4b-tp2,
+  d64-l6) and the ``CUTE_KERNELS_STACKED_{TILE,SCHEDULE,CTAS}`` overrides (``auto``: the plan);
 - ``kv:<format>:<T>[:decode]``, a ``CacheFormat`` value (v4_packed, v41_mxfp8, bf16, fp8);
 - ``c128:<all|mix|none>:<T>``.
 

@@ -35,6 +35,7 @@ LAYOUTS = (
     Layout("d64", 4096, 3, 4, 64),
     Layout("d256", 5120, 2, 1, 256),
     Layout("4b-tp2", 2560, 5, 4, 128),
+    Layout("d64-l6", 2048, 6, 4, 64),
 )
 TOKENS = (1, 16, 64, 128, 256, 1024)
 # (tile, schedule, CTA cap, splits): each tile both ways, and stream-K on fewer CTAs (fewer

@@ -601,10 +601,14 @@ def test_layout_on_meta_with_arch_override(arch, monkeypatch):
     # cluster holds at most 8)
     assert choose_plan(layout, 16, 4096, 132) == StackedPlan(
         StackedVariant("mma", "swap16", cluster=True), False, 64, 8, 8)
-    # T = 17: two token tiles on the same 8 weight tiles (the second reads the weight from
-    # L2); 8 splits on one CTA per SM: clusters
-    assert choose_plan(layout, 17, 4096, 132) == StackedPlan(
-        StackedVariant("mma", "swap16", cluster=True), False, 128, 16, 8)
+    # T = 17: on sm_90a one token tile of sw32 (8 weight tiles split 8 ways in clusters); on
+    # the mma core two swap16 token tiles on the same 8 weight tiles (the second reads the
+    # weight from L2), 8 splits on one CTA per SM: clusters
+    expected = (StackedPlan(StackedVariant("wgmma", "sw32", cluster=True), False, 64, 8, 8)
+                if arch == "sm_90a"
+                else StackedPlan(StackedVariant("mma", "swap16", cluster=True), False, 128, 16,
+                                 8))
+    assert choose_plan(layout, 17, 4096, 132) == expected
     # T = 256: 128 swapped tiles fit only 2 splits (est. 18.8 us); on sm_90a the wgmma core's
     # 64 split-head tiles (one wave, 32 clusters) are cheaper, the mma core has no other tile
     # that fits
@@ -633,10 +637,9 @@ def test_stream_k_where_the_swapped_tile_does_not_fit(monkeypatch):
 # H200), each the faster of the measured plans there (the split-head cells: its same-run A/B
 # against the plan before, 22:45 UTC)
 COST_MODEL_CHOICES = [
-    ("tp1", 5, 8, 128, 4096, 32, "swap16", 1),  # 33.8 against the wgmma core's 34.2 us
+    ("tp1", 5, 8, 128, 4096, 16, "swap16", 1),  # 28.2 us
     ("tp1", 5, 8, 128, 4096, 64, "m64", 1),  # 35.0 against 52.8 (320 swapped tiles)
-    ("tp2", 5, 4, 128, 4096, 32, "swap16", 2),  # 22.5 against m64h's 22.7
-    ("tp2", 5, 4, 128, 4096, 64, "m64h", 1),  # 22.0 against m64's 23.5
+    ("tp2", 5, 4, 128, 4096, 16, "swap16", 2),  # 18.9
     ("tp8", 5, 1, 128, 4096, 256, "m64h", 1),  # 15.9 against m64's 18.2
     ("1layer", 1, 8, 128, 4096, 128, "m64h", 1),  # 16.0 against swap16's 20.3
     ("d256", 2, 1, 256, 5120, 256, "m64h", 1),  # 20.9 against swap16's 23.6
@@ -663,8 +666,17 @@ COST_MODEL_CHOICES = [
     ("tp4", 5, 2, 128, 4096, 64, "m64h", 1),  # 2 splits: 15.4 / 16.7 against 15.6
     ("d64", 3, 4, 64, 4096, 64, "sw32", 3),  # 13.3 against m64h's 14.6
     ("small", 1, 1, 128, 2048, 256, "sw32", 5),  # 16 tiles: 6 / 4 splits 9.7 / 10.1, m64h 10.8
-    ("tp2", 5, 4, 128, 4096, 64, "m64h", 1),  # 80 tiles: no split (2 splits 27.7 against 19.3)
     ("tp8", 5, 1, 128, 4096, 16, "swap16", 8),  # T <= 16: the mma core's split, 10.4 / 11.3
+    # from T = 17, where swap16 needs a second token tile (H200, 2026-12-05 07:43 UTC, cold us,
+    # against the plan before): sw32 split, or one CTA a tile where fewer than 3 splits fit
+    ("tp8", 5, 1, 128, 4096, 17, "sw32", 8),  # 11.2 against swap16's 12.0
+    ("tp4", 5, 2, 128, 4096, 32, "sw32", 4),  # 14.8 against swap16's 15.1
+    ("1layer", 1, 8, 128, 4096, 17, "sw32", 5),  # 4 / 6 splits 13.0 / 13.0 against 13.8
+    ("tp2", 5, 4, 128, 4096, 32, "sw32", 1),  # 40 tiles: 18.9 against 2 splits' 20.7
+    ("tp1", 5, 8, 128, 4096, 32, "sw32", 1),  # 80 tiles: 30.6 against swap16's 33.1
+    ("tp2", 5, 4, 128, 4096, 64, "sw32", 1),  # 80 tiles: 19.0 against m64h's 19.9
+    ("tp4", 5, 2, 128, 4096, 48, "swap16", 4),  # 2 token tiles: 15.9; sw32 1 / 2: 17.8 / 16.6
+    ("tp1", 5, 8, 128, 4096, 48, "m64", 1),  # 160 sw32 tiles: 37.2 against 32.5
 ]
 
 
@@ -764,15 +776,17 @@ def test_split_hand_over(monkeypatch):
     residency = {8: 48, 7: 49, 6: 48}.get
     assert choose_plan(layout, 1, 4096, 132, lambda size, per_sm: residency(size, 264)) == (
         StackedPlan(StackedVariant("mma", "swap16", cluster=True), False, 48, 8, 6))
-    # TP 4, T = 32: 40 tiles, 3 splits: the workspace
-    tp4 = StackedLayout(5, 2, 128, False, False, "float32", "sm_90a")
+    # TP 4, T = 32 on the mma core (sm_90a plans sw32 there): 40 tiles, 3 splits: the
+    # workspace
+    tp4 = StackedLayout(5, 2, 128, False, False, "float32", "sm_100a")
     assert choose_plan(tp4, 32, 4096, 132) == StackedPlan(
         StackedVariant("mma", "swap16"), False, 120, 40, 3)
     monkeypatch.setenv("CUTE_KERNELS_STACKED_HANDOVER", "workspace")
     assert choose_plan(layout, 1, 4096, 132) == StackedPlan(
         StackedVariant("mma", "swap16"), False, 72, 8, 9)
     monkeypatch.setenv("CUTE_KERNELS_STACKED_HANDOVER", "cluster")
-    assert choose_plan(layout, 17, 4096, 132) == StackedPlan(
+    mma_layout = dataclasses.replace(layout, arch="sm_100a")
+    assert choose_plan(mma_layout, 17, 4096, 132) == StackedPlan(
         StackedVariant("mma", "swap16", cluster=True), False, 128, 16, 8)
     monkeypatch.setenv("CUTE_KERNELS_STACKED_IMPL", "mma")
     monkeypatch.setenv("CUTE_KERNELS_STACKED_TILE", "m64")

@@ -104,7 +104,7 @@ SHAPES = [  # (L, n_kv, H)
 ]
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 64, 257, 4096])
+@pytest.mark.parametrize("tokens", [1, 7, 24, 64, 257, 4096])
 @pytest.mark.parametrize(("layers", "n_kv", "hidden"), SHAPES, ids=str)
 def test_matches_reference(layers, n_kv, hidden, tokens, impl):
     case = make_case(tokens, hidden, layers, n_kv, 128, "cuda", seed=tokens + 7 * n_kv)

@@ -166,8 +166,28 @@ SPLIT_SWAPPED_WGMMA_TILES = ("sw32",)
 SPLIT_SWAPPED_MAX_CTAS = 80
 #: ... and its fewest splits: on 2 it measured no faster than the plans before it (TP 4, T = 64
 #: on 40 tiles: 15.4 and 16.7 us in two runs against m64h's 15.6; one layer, T = 64: 14.7 /
-#: 14.8 against 15.3 / 15.2; TP 8, T = 128: 14.5 against 14.5).
+#: 14.8 against 15.3 / 15.2; TP 8, T = 128: 14.5 against 14.5), nor than one CTA a tile
+#: (below; TP 2, T = 17 / 32 on 40 tiles: 19.9 / 20.7 against 18.7 / 18.9).
 SPLIT_SWAPPED_MIN_SPLITS = 3
+#: The split swapped plan's T range starts above the mma core's swapped tile (its 16 tokens),
+#: where that tile needs a second token tile: from there sw32 (one token tile up to T = 32)
+#: measured faster in every layout tried (H200, 2026-12-05 07:43 UTC, cold us, the plan
+#: before -> sw32 as planned now, at T = 17 / 32): TP 8 (8 splits) 12.0 / 12.3 -> 11.2 / 11.5,
+#: TP 4 (4) 15.2 / 15.1 -> 14.1 / 14.8, one layer (5; 4 and 6 measured) 13.8 / 13.9 -> 13.0 /
+#: 13.2-13.7, and unsplit (below) TP 2 22.0 / 22.1 -> 18.7 / 18.9, TP 1 34.1 / 33.1 -> 29.8 /
+#: 30.6 (the plan before: two swap16 token tiles, 160 CTAs).
+SPLIT_SWAPPED_MIN_TOKENS = TILE_SWAP.bm + 1
+#: Where fewer splits than ``SPLIT_SWAPPED_MIN_SPLITS`` fit, sw32 runs one CTA a tile (no
+#: hand-over) up to this T, if its tiles are one token tile or fill at least
+#: ``UNSPLIT_SWAPPED_MIN_SHARE`` of ``SPLIT_SWAPPED_MAX_CTAS``: TP 1, T <= 32 (80 tiles) and
+#: TP 2, T <= 32 (40) above, and TP 2, T = 48 / 64 (80 tiles) 19.1 / 19.0 against m64h's
+#: 20.1 / 19.9. Not with two token tiles of 27..40 (2 splits' worth): TP 4, T = 48 / 64 (40
+#: tiles) unsplit 17.8 / 18.0, 2 splits 16.6 / 16.5, the plan before 15.9 / 15.6; one layer
+#: (32 tiles) 17.6 / 17.5, 15.0 / 14.9, 14.9 / 15.1. Between 41 and 59 tiles of two token
+#: tiles (e.g. H 2048, L 6, n_kv 4, D 64 at T = 64: 48) it was not measured, and the plan
+#: before stays.
+UNSPLIT_SWAPPED_MAX_TOKENS = 64
+UNSPLIT_SWAPPED_MIN_SHARE = 3 / 4
 #: The persistent swapped wgmma tile (``sw128p``, wgmma_swap_persistent): one CTA per SM takes
 #: its tiles in turn, the epilogue of one overlapping the next one's MMAs. Its time is a fixed
 #: part plus one part per tile of the busiest CTA (H200, 2026-12-04 17:24 UTC, cold, forced,
@@ -663,31 +683,37 @@ def swap_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
 
 def swapped_split_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
                        residency: ClusterResidency) -> StackedPlan | None:
-    """The split swapped wgmma plan of a decode call, or None where it is not the plan: sw32
-    tiles, each split into ``S`` K ranges on one cluster, ``S`` as large as
+    """The swapped sw32 plan of a decode call, or None where it is not the plan: sw32 tiles,
+    each split into ``S`` K ranges on one cluster, ``S`` as large as
     ``SPLIT_SWAPPED_MAX_CTAS`` CTAs allow (and ``ctas``, the resident CTAs or their
     override; at most ``CLUSTER_MAX_SPLITS``, the k-tiles, and what is resident at once),
-    planned for ``SWAPPED_WGMMA_MIN_TOKENS <= T <= SWAP_MAX_TOKENS`` when that gives at least
-    ``SPLIT_SWAPPED_MIN_SPLITS`` splits. So it runs
-    for the layouts of at most 26 weight tiles per token tile, where the other plans leave
-    most SMs idle; measured against the plan before it (H200, 2026-12-02 20:00 UTC, cold us):
-    TP 8, T = 64, 13.1 against 14.3; D = 64 (H 4096, L 3, n_kv 4), T = 64, 13.3 against
-    14.6; H 2048 x 1 x 1 x 128, T = 64 / 128 / 256, 8.4 / 8.7 / 9.9 against 10.7 / 10.6 /
-    10.8. At T <= 16 the mma core's split plan measured faster in every layout (TP 8, T = 1:
-    10.2 against 10.9), at T = 17..32 it was not measured."""
+    planned for ``SPLIT_SWAPPED_MIN_TOKENS <= T <= SWAP_MAX_TOKENS`` when that gives at least
+    ``SPLIT_SWAPPED_MIN_SPLITS`` splits; with fewer, one CTA a tile up to
+    ``UNSPLIT_SWAPPED_MAX_TOKENS`` where the tiles are one token tile or at least
+    ``UNSPLIT_SWAPPED_MIN_SHARE`` of ``SPLIT_SWAPPED_MAX_CTAS``. So the split plan runs for
+    the layouts of at most 26 weight tiles per token tile, where the other plans leave most
+    SMs idle; measured against the plan before it (H200, 2026-12-02 20:00 UTC, cold us): TP 8,
+    T = 64, 13.1 against 14.3; D = 64 (H 4096, L 3, n_kv 4), T = 64, 13.3 against 14.6; H
+    2048 x 1 x 1 x 128, T = 64 / 128 / 256, 8.4 / 8.7 / 9.9 against 10.7 / 10.6 / 10.8; and
+    at T = 17..32 (2026-12-05) as at ``SPLIT_SWAPPED_MIN_TOKENS``. At T <= 16 the mma core's
+    split plan measured faster in every layout (TP 8, T = 1: 10.2 against 10.9)."""
     config = TILES[SPLIT_SWAPPED_WGMMA_TILES[0]]
-    if (not SWAPPED_WGMMA_MIN_TOKENS <= tokens <= SWAP_MAX_TOKENS
+    if (not SPLIT_SWAPPED_MIN_TOKENS <= tokens <= SWAP_MAX_TOKENS
             or config.columns(layout.head_dim, layout.kv) > SWAPPED_WGMMA_MAX_COLUMNS):
         return None
     tiles = tile_count(tokens, layout, config)
-    splits = min(CLUSTER_MAX_SPLITS, hidden // STACKED_K_TILE,
-                 min(SPLIT_SWAPPED_MAX_CTAS, ctas) // tiles)
+    most_ctas = min(SPLIT_SWAPPED_MAX_CTAS, ctas)
+    splits = min(CLUSTER_MAX_SPLITS, hidden // STACKED_K_TILE, most_ctas // tiles)
     while splits > 1 and tiles * splits > residency(splits, 1):
         splits -= 1
     if splits < SPLIT_SWAPPED_MIN_SPLITS:
-        return None
-    return StackedPlan(StackedVariant("wgmma", config.name, True), False, tiles * splits, tiles,
-                       splits)
+        one_token_tile = tokens <= config.bm
+        if not (tiles <= most_ctas and tokens <= UNSPLIT_SWAPPED_MAX_TOKENS
+                and (one_token_tile or tiles >= UNSPLIT_SWAPPED_MIN_SHARE * most_ctas)):
+            return None
+        splits = 1
+    return StackedPlan(StackedVariant("wgmma", config.name, splits > 1), False, tiles * splits,
+                       tiles, splits)
 
 
 def wgmma_dp_estimate_us(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
