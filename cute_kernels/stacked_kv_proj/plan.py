@@ -706,14 +706,14 @@ def swapped_split_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: in
     splits = min(CLUSTER_MAX_SPLITS, hidden // STACKED_K_TILE, most_ctas // tiles)
     while splits > 1 and tiles * splits > residency(splits, 1):
         splits -= 1
-    if splits < SPLIT_SWAPPED_MIN_SPLITS:
-        one_token_tile = tokens <= config.bm
-        if not (tiles <= most_ctas and tokens <= UNSPLIT_SWAPPED_MAX_TOKENS
-                and (one_token_tile or tiles >= UNSPLIT_SWAPPED_MIN_SHARE * most_ctas)):
-            return None
-        splits = 1
-    return StackedPlan(StackedVariant("wgmma", config.name, splits > 1), False, tiles * splits,
-                       tiles, splits)
+    if splits >= SPLIT_SWAPPED_MIN_SPLITS:
+        return StackedPlan(StackedVariant("wgmma", config.name, True), False, tiles * splits,
+                           tiles, splits)
+    one_token_tile = tokens <= config.bm
+    if not (tiles <= most_ctas and tokens <= UNSPLIT_SWAPPED_MAX_TOKENS
+            and (one_token_tile or tiles >= UNSPLIT_SWAPPED_MIN_SHARE * most_ctas)):
+        return None
+    return StackedPlan(StackedVariant("wgmma", config.name), False, tiles, tiles)
 
 
 def wgmma_dp_estimate_us(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
