@@ -53,8 +53,8 @@ LAYOUTS = (
     Layout("tp8", 4096, 5, 1, 128),
     Layout("1layer", 4096, 1, 8, 128),
 )
-TOKENS = (1, 16, 64, 256, 1024, 8192)
-TOKENS_TP = (1, 16, 64, 256, 1024)  # the other layouts: decode sizes and one large T
+TOKENS = (1, 16, 32, 64, 256, 1024, 8192)
+TOKENS_TP = (1, 16, 32, 64, 256, 1024)  # the other layouts: decode sizes and one large T
 
 
 def op_bytes(layout: Layout, tokens: int) -> int:
