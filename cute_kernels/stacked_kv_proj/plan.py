@@ -681,8 +681,8 @@ def swap_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
     return plan, estimate_us
 
 
-def swapped_split_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
-                       residency: ClusterResidency) -> StackedPlan | None:
+def sw32_decode_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
+                     residency: ClusterResidency) -> StackedPlan | None:
     """The swapped sw32 plan of a decode call, or None where it is not the plan: sw32 tiles,
     each split into ``S`` K ranges on one cluster, ``S`` as large as
     ``SPLIT_SWAPPED_MAX_CTAS`` CTAs allow (and ``ctas``, the resident CTAs or their
@@ -732,10 +732,11 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
     ``ctas`` CTAs of the wgmma core at once (one per SM) and ``residency`` CTAs of the mma
     core in clusters (default: :func:`formula_residency`).
 
-    On the wgmma core, the split swapped wgmma plan where :func:`swapped_split_plan` gives one
-    (no override set, a forced split included). Else, up to ``SWAP_MAX_TOKENS``, the mma
-    core's split swapped tile when all its CTAs fit at once and, where the wgmma core exists,
-    its estimated time is below the wgmma core's (the cost model above). Otherwise the
+    On the wgmma core, the sw32 plan (split along K, or one CTA a tile) where
+    :func:`sw32_decode_plan` gives one (no override set, a forced split included). Else, up
+    to ``SWAP_MAX_TOKENS``, the mma core's split swapped tile when all its CTAs fit at once
+    and, where the wgmma core exists, its estimated time is below the wgmma core's (the cost
+    model above). Otherwise the
     data-parallel tile of least estimated waves, or stream-K where it measured faster
     (``STREAM_K_*``). Overrides: ``CUTE_KERNELS_STACKED_{IMPL,TILE,SCHEDULE,
     CTAS,SPLITS}``; any but the split one leaves the swapped tile out unless it names it. The
@@ -749,7 +750,7 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
                      for name in (IMPL_ENV, TILE_ENV, SCHEDULE_ENV))
     wanted = forced_schedule()
     if not overridden and impl == "wgmma" and forced_splits() is None:
-        plan = swapped_split_plan(layout, tokens, hidden, ctas, residency)
+        plan = sw32_decode_plan(layout, tokens, hidden, ctas, residency)
         if plan is not None:
             return plan
     # a forced stream-K schedule takes a whole-head tile (the split-head plan is data-parallel)
