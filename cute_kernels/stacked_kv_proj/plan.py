@@ -177,6 +177,12 @@ SPLIT_SWAPPED_MIN_SPLITS = 3
 #: 13.2-13.7, and unsplit (below) TP 2 22.0 / 22.1 -> 18.7 / 18.9, TP 1 34.1 / 33.1 -> 29.8 /
 #: 30.6 (the plan before: two swap16 token tiles, 160 CTAs).
 SPLIT_SWAPPED_MIN_TOKENS = TILE_SWAP.bm + 1
+#: ... but up to two of those token tiles (T <= 32), only on this many CTAs: below it the
+#: mma core's swapped tile, whose two token tiles stream the weight on twice the CTAs, measured
+#: faster (H 2048 x 1 x 1 x 128, T = 17 / 32: sw32 on 2 tiles x 8 splits (16 CTAs) 7.6 / 7.9
+#: us against swap16's 32 CTAs 6.8 / 6.9; H200, 2026-12-05 17:12 UTC, same-run A/B). 72 and
+#: 80 CTAs won (above); between 16 and 72 it was not measured.
+SPLIT_SWAPPED_MIN_CTAS_TWO_SWAP_TILES = 32
 #: Where fewer splits than ``SPLIT_SWAPPED_MIN_SPLITS`` fit, sw32 runs one CTA a tile (no
 #: hand-over) up to this T, if its tiles are one token tile or fill at least
 #: ``UNSPLIT_SWAPPED_MIN_SHARE`` of ``SPLIT_SWAPPED_MAX_CTAS``: TP 1, T <= 32 (80 tiles) and
@@ -707,6 +713,9 @@ def sw32_decode_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
     while splits > 1 and tiles * splits > residency(splits, 1):
         splits -= 1
     if splits >= SPLIT_SWAPPED_MIN_SPLITS:
+        if (tokens <= 2 * TILE_SWAP.bm
+                and tiles * splits < SPLIT_SWAPPED_MIN_CTAS_TWO_SWAP_TILES):
+            return None
         return StackedPlan(StackedVariant("wgmma", config.name, True), False, tiles * splits,
                            tiles, splits)
     one_token_tile = tokens <= config.bm
