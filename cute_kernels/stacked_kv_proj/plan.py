@@ -694,7 +694,8 @@ def sw32_decode_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
     ``SPLIT_SWAPPED_MAX_CTAS`` CTAs allow (and ``ctas``, the resident CTAs or their
     override; at most ``CLUSTER_MAX_SPLITS``, the k-tiles, and what is resident at once),
     planned for ``SPLIT_SWAPPED_MIN_TOKENS <= T <= SWAP_MAX_TOKENS`` when that gives at least
-    ``SPLIT_SWAPPED_MIN_SPLITS`` splits; with fewer, one CTA a tile up to
+    ``SPLIT_SWAPPED_MIN_SPLITS`` splits (and up to two swap16 token tiles, at least
+    ``SPLIT_SWAPPED_MIN_CTAS_TWO_SWAP_TILES`` CTAs; None below); with fewer, one CTA a tile up to
     ``UNSPLIT_SWAPPED_MAX_TOKENS`` where the tiles are one token tile or at least
     ``UNSPLIT_SWAPPED_MIN_SHARE`` of ``SPLIT_SWAPPED_MAX_CTAS``. So the split plan runs for
     the layouts of at most 26 weight tiles per token tile, where the other plans leave most
