@@ -60,11 +60,13 @@ def _parse_config(name: str) -> tuple[str, str, int | None, int | None]:
 
 def _compile(layout: Layout, tile: str, cluster: bool) -> str:
     from cute_kernels.stacked_kv_proj.interface import KERNELS, StackedKvProjKey
-    from cute_kernels.stacked_kv_proj.plan import StackedLayout, StackedVariant
+    from cute_kernels.stacked_kv_proj.plan import SWAP_TILES, StackedLayout, StackedVariant
 
+    # the mma core's swapped tile (`swap16`) is the one tile the wgmma core does not have
+    impl = "mma" if tile in SWAP_TILES else "wgmma"
     key = StackedKvProjKey(StackedLayout(layout.layers, layout.n_kv, layout.head_dim, False,
                                          False, "float32", "sm_90a"),
-                           StackedVariant("wgmma", tile, cluster))
+                           StackedVariant(impl, tile, cluster))
     KERNELS.get(key)
     return f"{layout.name} {tile}"
 
