@@ -8,21 +8,33 @@ counts, next to the bare cuBLAS GEMM: the measurements behind the planner's cost
 A config is ``tile/schedule[@ctas][:splits]``: the splits of a swapped wgmma tile run as one
 cluster (the split variant).
 
-Every variant is compiled first, in parallel worker processes, into the disk cache; the timed
-process then loads them.
+The variant of every timed cell (the plan's, and each config's as the planner picks it under
+the config's overrides) is compiled first, in parallel worker processes, into the disk cache;
+the timed process then loads them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from cute_kernels.stacked_kv_proj.plan import (
+    CTAS_ENV,
+    SCHEDULE_ENV,
+    SPLITS_ENV,
+    TILE_ENV,
+    StackedLayout,
+    choose_plan,
+)
 
 from . import bench_stacked_kv_proj as bench
 from .bench_stacked_kv_proj import FLOOR_BYTES_PER_S, Layout
@@ -44,6 +56,8 @@ TOKENS = (1, 16, 64, 128, 256, 1024)
 CONFIGS = (*((tile, schedule, None, None) for tile in ("m64", "m128", "m128w")
              for schedule in ("dp", "streamk")),
            ("m64", "streamk", 66, None), ("m64", "streamk", 33, None))
+#: the overrides a config sets, in its order (tile, schedule, CTA cap, splits)
+OVERRIDE_ENV = (TILE_ENV, SCHEDULE_ENV, CTAS_ENV, SPLITS_ENV)
 
 
 def _name(tile: str, schedule: str, ctas: int | None, splits: int | None) -> str:
@@ -59,30 +73,55 @@ def _parse_config(name: str) -> tuple[str, str, int | None, int | None]:
     return tile, schedule, int(ctas) if ctas else None, int(splits) if splits else None
 
 
-def _compile(layout: Layout, tile: str, cluster: bool) -> str:
-    from cute_kernels.stacked_kv_proj.interface import KERNELS, StackedKvProjKey
-    from cute_kernels.stacked_kv_proj.plan import SWAP_TILES, StackedLayout, StackedVariant
+@contextlib.contextmanager
+def forced(config: tuple[str, str, int | None, int | None] | None) -> Iterator[None]:
+    """The ``CUTE_KERNELS_STACKED_*`` overrides of ``config`` (None: none, the plan) while
+    inside, and none after."""
+    values = dict(zip(OVERRIDE_ENV, config or (None,) * len(OVERRIDE_ENV), strict=True))
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = str(value)
+    try:
+        yield
+    finally:
+        for name in values:
+            os.environ.pop(name, None)
 
-    # the mma core's swapped tile (`swap16`) is the one tile the wgmma core does not have
-    impl = "mma" if tile in SWAP_TILES else "wgmma"
-    key = StackedKvProjKey(StackedLayout(layout.layers, layout.n_kv, layout.head_dim, False,
-                                         False, "float32", "sm_90a"),
-                           StackedVariant(impl, tile, cluster))
+
+def planned_keys(layouts, configs, tokens, sms: int) -> list:
+    """The compile key of every timed cell: the plan's and each config's, as ``choose_plan``
+    picks the variant under that config's overrides (with the formula's cluster residency:
+    a variant the timed call plans otherwise is compiled when it is timed)."""
+    from cute_kernels.stacked_kv_proj.interface import StackedKvProjKey
+
+    keys = set()
+    for layout in layouts:
+        stacked = StackedLayout(layout.layers, layout.n_kv, layout.head_dim, False, False,
+                                "float32", "sm_90a")
+        for config in (None, *configs):
+            with forced(config):
+                keys.update(StackedKvProjKey(stacked, choose_plan(stacked, t, layout.hidden,
+                                                                  sms).variant)
+                            for t in tokens)
+    return sorted(keys, key=repr)
+
+
+def _compile(key) -> None:
+    from cute_kernels.stacked_kv_proj.interface import KERNELS
+
     KERNELS.get(key)
-    return f"{layout.name} {tile}"
 
 
-def precompile(layouts, jobs: int, variants=(("m64", False), ("m128", False),
-                                             ("m128w", False))) -> None:
-    """Compile every (layout, (tile, split)) into the disk cache in ``jobs`` processes."""
+def precompile(keys: list, jobs: int) -> None:
+    """Compile ``keys`` into the disk cache in ``jobs`` processes."""
     start = time.perf_counter()
-    os.environ.setdefault("CUTE_KERNELS_ARCH", "sm_90a")
     import multiprocessing
 
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        jobs_args = [(lay, tile, cluster) for lay in layouts for tile, cluster in variants]
-        done = list(pool.map(_compile, *zip(*jobs_args, strict=True)))
-    print(f"compiled {len(done)} variants in {time.perf_counter() - start:.0f} s", flush=True)
+        list(pool.map(_compile, keys))
+    print(f"compiled {len(keys)} variants in {time.perf_counter() - start:.0f} s", flush=True)
 
 
 def main() -> None:
@@ -98,9 +137,10 @@ def main() -> None:
         _parse_config(name) for name in cli.configs.split(","))
     layouts = LAYOUTS if cli.layouts is None else tuple(
         lay for lay in LAYOUTS if lay.name in cli.layouts.split(","))
-    variants = sorted({(tile, (splits or 1) > 1) for tile, _, _, splits in configs})
     tokens = TOKENS if cli.tokens is None else tuple(int(t) for t in cli.tokens.split(","))
-    precompile(layouts, cli.jobs, variants)
+    os.environ.setdefault("CUTE_KERNELS_ARCH", "sm_90a")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    precompile(planned_keys(layouts, configs, tokens, sms), cli.jobs)
 
     from cute_kernels import stacked_kv_proj
     from cute_kernels.stacked_kv_proj.interface import plan_for_call
@@ -119,26 +159,15 @@ def main() -> None:
             cublas = timer.cold_us(lambda c=case: F.linear(c.ctx_hidden, c.weight))
             floor = empty_us + layout.weight_bytes / FLOOR_BYTES_PER_S * 1e6
             row = {"layout": layout.label, "tokens": t, "cublas_us": cublas, "floor_us": floor}
-            os.environ.pop("CUTE_KERNELS_STACKED_TILE", None)
-            os.environ.pop("CUTE_KERNELS_STACKED_SCHEDULE", None)
-            plan = plan_for_call(args)
+            with forced(None):
+                plan = plan_for_call(args)
+                row["auto_us"] = timer.cold_us(lambda a=args: stacked_kv_proj(*a))
             row["auto"] = (f"{plan.variant.tile} {'sk' if plan.stream_k else 'dp'}"
                            f" {plan.grid}/{plan.dp_tiles}"
                            + (f" split {plan.splits}" if plan.splits > 1 else ""))
-            row["auto_us"] = timer.cold_us(lambda a=args: stacked_kv_proj(*a))
-            for tile, schedule, ctas, splits in configs:
-                os.environ["CUTE_KERNELS_STACKED_TILE"] = tile
-                os.environ["CUTE_KERNELS_STACKED_SCHEDULE"] = schedule
-                if ctas is not None:
-                    os.environ["CUTE_KERNELS_STACKED_CTAS"] = str(ctas)
-                if splits is not None:
-                    os.environ["CUTE_KERNELS_STACKED_SPLITS"] = str(splits)
-                row[_name(tile, schedule, ctas, splits)] = timer.cold_us(
-                    lambda a=args: stacked_kv_proj(*a))
-                os.environ.pop("CUTE_KERNELS_STACKED_CTAS", None)
-                os.environ.pop("CUTE_KERNELS_STACKED_SPLITS", None)
-            os.environ.pop("CUTE_KERNELS_STACKED_TILE")
-            os.environ.pop("CUTE_KERNELS_STACKED_SCHEDULE")
+            for config in configs:
+                with forced(config):
+                    row[_name(*config)] = timer.cold_us(lambda a=args: stacked_kv_proj(*a))
             rows.append(row)
             cells = "  ".join(f"{_name(*c)}={row[_name(*c)]:.1f}" for c in configs)
             print(f"{layout.label:<28} T={t:<5} cuBLAS {cublas:6.1f} floor {floor:5.1f} "
