@@ -48,7 +48,7 @@ LAYOUTS = (
     Layout("d256", 5120, 2, 1, 256),
     Layout("4b-tp2", 2560, 5, 4, 128),
     Layout("d64-l6", 2048, 6, 4, 64),
-    Layout("1layer-tp4", 4096, 1, 2, 128),  # 4 weight tiles: sw32 split 8 on 32 CTAs at T <= 32
+    Layout("1layer-tp4", 4096, 1, 2, 128),  # 4 weight tiles: swap16 split 8 on 64 CTAs at T <= 32
 )
 TOKENS = (1, 16, 64, 128, 256, 1024)
 # (tile, schedule, CTA cap, splits): each tile both ways, and stream-K on fewer CTAs (fewer

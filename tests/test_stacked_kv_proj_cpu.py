@@ -677,10 +677,14 @@ COST_MODEL_CHOICES = [
     ("tp2", 5, 4, 128, 4096, 64, "sw32", 1),  # 80 tiles: 19.0 against m64h's 19.9
     ("tp4", 5, 2, 128, 4096, 48, "swap16", 4),  # 2 token tiles: 15.9; sw32 1 / 2: 17.8 / 16.6
     ("tp1", 5, 8, 128, 4096, 48, "m64", 1),  # 160 sw32 tiles: 37.2 against 32.5
-    # ... but not on fewer than 32 CTAs up to two swap16 token tiles (2026-12-05 17:12 UTC)
+    # ... but not on 32 CTAs or fewer up to four swap16 token tiles (H200 2026-12-05 17:12
+    # UTC and 2026-12-06 02:57 UTC)
     ("small", 1, 1, 128, 2048, 17, "swap16", 8),  # 32 CTAs: 6.8 against sw32's 16, 7.6
     ("small", 1, 1, 128, 2048, 32, "swap16", 8),  # 6.9 against 7.9
-    ("small", 1, 1, 128, 2048, 33, "sw32", 8),  # 2 sw32 token tiles: 32 CTAs
+    ("small", 1, 1, 128, 2048, 48, "swap16", 8),  # 48 CTAs: 7.14 against sw32's 32, 8.16
+    ("small", 1, 1, 128, 2048, 64, "swap16", 8),  # 64 CTAs: 7.22 against 8.18
+    ("1layer-tp4", 1, 2, 128, 4096, 32, "swap16", 8),  # 4 weight tiles: 64 CTAs 8.96 vs 9.50
+    ("small", 1, 1, 128, 2048, 65, "sw32", 8),  # from five swap16 token tiles: sw32
 ]
 
 

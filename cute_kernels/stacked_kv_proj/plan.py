@@ -177,12 +177,15 @@ SPLIT_SWAPPED_MIN_SPLITS = 3
 #: 13.2-13.7, and unsplit (below) TP 2 22.0 / 22.1 -> 18.7 / 18.9, TP 1 34.1 / 33.1 -> 29.8 /
 #: 30.6 (the plan before: two swap16 token tiles, 160 CTAs).
 SPLIT_SWAPPED_MIN_TOKENS = TILE_SWAP.bm + 1
-#: ... but up to two of those token tiles (T <= 32), only on this many CTAs: below it the
-#: mma core's swapped tile, whose two token tiles stream the weight on twice the CTAs, measured
-#: faster (H 2048 x 1 x 1 x 128, T = 17 / 32: sw32 on 2 tiles x 8 splits (16 CTAs) 7.6 / 7.9
-#: us against swap16's 32 CTAs 6.8 / 6.9; H200, 2026-12-05 17:12 UTC, same-run A/B). 72 and
-#: 80 CTAs won (above); between 16 and 72 it was not measured.
-SPLIT_SWAPPED_MIN_CTAS_TWO_SWAP_TILES = 32
+#: ... but up to four of those token tiles (T <= 64), not on this many CTAs or fewer: there the
+#: mma core's swapped tile, whose token tiles are half as tall, streams the weight on twice the
+#: CTAs and measured faster. H200, same-run A/Bs, cold us: H 2048 x 1 x 1 x 128 at T = 17 / 32,
+#: sw32 on 2 tiles x 8 splits (16 CTAs) 7.6 / 7.9 against swap16's 32 CTAs 6.8 / 6.9
+#: (2026-12-05 17:12 UTC); at T = 33 / 48 / 64, sw32 on 32 CTAs 7.84 / 8.16 / 8.18 against
+#: swap16's 48 / 48 / 64 CTAs 6.82 / 7.14 / 7.22, and H 4096 x 1 x 2 x 128 at T = 17 / 32, sw32
+#: on 32 CTAs 9.33 / 9.50 against swap16's 64 CTAs 8.83 / 8.96 (2026-12-06 02:57 UTC). 48 sw32
+#: CTAs (H 2048, T = 65) and more stay sw32: 72 and 80 CTAs won (above).
+SPLIT_SWAPPED_SWAP16_MAX_CTAS = 32
 #: Where fewer splits than ``SPLIT_SWAPPED_MIN_SPLITS`` fit, sw32 runs one CTA a tile (no
 #: hand-over) up to this T, if its tiles are one token tile or fill at least
 #: ``UNSPLIT_SWAPPED_MIN_SHARE`` of ``SPLIT_SWAPPED_MAX_CTAS``: TP 1, T <= 32 (80 tiles) and
@@ -687,15 +690,17 @@ def swap_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
     return plan, estimate_us
 
 
-def sw32_decode_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
-                     residency: ClusterResidency) -> StackedPlan | None:
-    """The swapped sw32 plan of a decode call, or None where it is not the plan: sw32 tiles,
+def decode_swapped_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
+                        residency: ClusterResidency) -> StackedPlan | None:
+    """The swapped plan of a decode call, or None where it is not the plan: sw32 tiles,
     each split into ``S`` K ranges on one cluster, ``S`` as large as
     ``SPLIT_SWAPPED_MAX_CTAS`` CTAs allow (and ``ctas``, the resident CTAs or their
     override; at most ``CLUSTER_MAX_SPLITS``, the k-tiles, and what is resident at once),
     planned for ``SPLIT_SWAPPED_MIN_TOKENS <= T <= SWAP_MAX_TOKENS`` when that gives at least
-    ``SPLIT_SWAPPED_MIN_SPLITS`` splits (and up to two swap16 token tiles, at least
-    ``SPLIT_SWAPPED_MIN_CTAS_TWO_SWAP_TILES`` CTAs; None below); with fewer, one CTA a tile up to
+    ``SPLIT_SWAPPED_MIN_SPLITS`` splits; up to four swap16 token tiles, on at most
+    ``SPLIT_SWAPPED_SWAP16_MAX_CTAS`` CTAs, the mma core's split swapped plan instead where all
+    its CTAs fit at once (twice the CTAs; None where they do not). With fewer splits, one CTA a
+    tile up to
     ``UNSPLIT_SWAPPED_MAX_TOKENS`` where the tiles are one token tile or at least
     ``UNSPLIT_SWAPPED_MIN_SHARE`` of ``SPLIT_SWAPPED_MAX_CTAS``. So the split plan runs for
     the layouts of at most 26 weight tiles per token tile, where the other plans leave most
@@ -714,9 +719,9 @@ def sw32_decode_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
     while splits > 1 and tiles * splits > residency(splits, 1):
         splits -= 1
     if splits >= SPLIT_SWAPPED_MIN_SPLITS:
-        if (tokens <= 2 * TILE_SWAP.bm
-                and tiles * splits < SPLIT_SWAPPED_MIN_CTAS_TWO_SWAP_TILES):
-            return None
+        if tokens <= 4 * TILE_SWAP.bm and tiles * splits <= SPLIT_SWAPPED_SWAP16_MAX_CTAS:
+            swap16, estimate_us = swap_plan(layout, tokens, hidden, ctas, residency)
+            return swap16 if estimate_us < math.inf else None
         return StackedPlan(StackedVariant("wgmma", config.name, True), False, tiles * splits,
                            tiles, splits)
     one_token_tile = tokens <= config.bm
@@ -742,8 +747,9 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
     ``ctas`` CTAs of the wgmma core at once (one per SM) and ``residency`` CTAs of the mma
     core in clusters (default: :func:`formula_residency`).
 
-    On the wgmma core, the sw32 plan (split along K, or one CTA a tile) where
-    :func:`sw32_decode_plan` gives one (no override set, a forced split included). Else, up
+    On the wgmma core, the plan :func:`decode_swapped_plan` gives, where it gives one (no
+    override set, a forced split included): sw32 split along K or one CTA a tile, or the mma
+    core's swapped tile where sw32 would stream on too few CTAs. Else, up
     to ``SWAP_MAX_TOKENS``, the mma core's split swapped tile when all its CTAs fit at once
     and, where the wgmma core exists, its estimated time is below the wgmma core's (the cost
     model above). Otherwise the
@@ -760,7 +766,7 @@ def choose_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: int,
                      for name in (IMPL_ENV, TILE_ENV, SCHEDULE_ENV))
     wanted = forced_schedule()
     if not overridden and impl == "wgmma" and forced_splits() is None:
-        plan = sw32_decode_plan(layout, tokens, hidden, ctas, residency)
+        plan = decode_swapped_plan(layout, tokens, hidden, ctas, residency)
         if plan is not None:
             return plan
     # a forced stream-K schedule takes a whole-head tile (the split-head plan is data-parallel)
