@@ -11,6 +11,8 @@ ENV_DEP := .venv/.installed
 endif
 
 PYTEST_ARGS ?=
+# pytest processes at once (tests/parallel.sh: one a test file); 1 runs one pytest over tests/
+TEST_JOBS ?= 1
 PERF_ARGS ?=
 
 .PHONY: test perf sanitize compile lint clean
@@ -24,8 +26,9 @@ PERF_ARGS ?=
 	touch $@
 
 test: $(ENV_DEP)
-	$(PY) -m pytest -q -rs $(PYTEST_ARGS) tests; rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; rc=0; fi; exit $$rc
+	@if [ "$(TEST_JOBS)" -gt 1 ]; then bash tests/parallel.sh $(PY) $(TEST_JOBS) $(PYTEST_ARGS); \
+	else $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; rc=0; fi; exit $$rc; fi
 
 perf: $(ENV_DEP)
 	$(PY) -m perf.run $(PERF_ARGS)
