@@ -11,7 +11,7 @@ ENV_DEP := .venv/.installed
 endif
 
 PYTEST_ARGS ?=
-# pytest processes at once (tests/parallel.sh: one a test file); 1 runs one pytest over tests/
+# pytest processes at once (tests/parallel.sh deals the tests over them); 1: one pytest run
 TEST_JOBS ?= 1
 PERF_ARGS ?=
 

@@ -1,34 +1,38 @@
 #!/usr/bin/env bash
-# `make test TEST_JOBS=N`: the test files of `make test`, one pytest process each, N at a time
-# (a fresh GPU machine spends most of a serial run compiling kernel variants on one core; its
-# 16 cores cut the whole suite from over 10 minutes to about 7). The slowest files start first;
-# every file's log is printed whole, then one line per file and the exit status of the worst.
+# `make test TEST_JOBS=N`: the tests of `make test` in N pytest processes at once. A fresh GPU
+# machine spends most of a serial run compiling kernel variants on one core (over 10 minutes);
+# the tests are dealt round robin over the processes, so each file's variants compile on all
+# cores at once (the disk cache's lock builds each variant once). Prints every process's log,
+# then the counts summed as one run would give them; the exit status is the worst process's.
 set -uo pipefail
 python=$1 jobs=$2
 shift 2  # the rest: pytest options (PYTEST_ARGS)
 cd "$(dirname "$0")/.."
-logs=$(mktemp -d)
-trap 'rm -rf "$logs"' EXIT
-slow_first=(tests/test_stacked_kv_proj_gpu.py tests/test_compile.py)
-mapfile -t files < <({ printf '%s\n' "${slow_first[@]}"; ls -S tests/test_*.py; } | awk '!seen[$0]++')
-export python logs
-# shellcheck disable=SC2016  # expanded by the inner shell
-printf '%s\n' "${files[@]}" | xargs -P "$jobs" -I {} bash -c '
-  log="$logs/$(basename {} .py).log"
-  "$python" -m pytest -q -rs -p no:cacheprovider "$@" {} > "$log" 2>&1
-  rc=$?; [ $rc -eq 5 ] && rc=0  # no test collected
-  echo $rc > "$log.rc"' _ "$@"
-
-for f in "${files[@]}"; do cat "$logs/$(basename "$f" .py).log"; done
-echo "== per file =="
-rc=0
-for f in "${files[@]}"; do
-  log="$logs/$(basename "$f" .py).log"
-  code=$(cat "$log.rc" 2>/dev/null || echo 1)
-  [ "$code" -ne 0 ] && rc=$code
-  echo "$f (rc $code): $(tail -n 1 "$log")" | tee -a "$logs/summary"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+"$python" -m pytest --collect-only -q -p no:cacheprovider "$@" tests > "$work/collected" 2>&1
+rc=$?
+if [ $rc -ne 0 ]; then
+  cat "$work/collected"
+  [ $rc -eq 5 ] && { echo "pytest collected no tests"; exit 0; }
+  exit $rc
+fi
+grep '::' "$work/collected" | awk -v n="$jobs" -v dir="$work" '{print > (dir "/shard" (NR - 1) % n)}'
+pids=()
+shards=("$work"/shard*)
+for shard in "${shards[@]}"; do
+  mapfile -t ids < "$shard"
+  "$python" -m pytest -q -rs -p no:cacheprovider "$@" "${ids[@]}" > "$shard.log" 2>&1 &
+  pids+=($!)
 done
-# the files' counts summed, as one pytest run over tests/ would give them
-grep -oE '[0-9]+ (passed|failed|skipped|deselected|errors?)' "$logs/summary" \
-  | awk '{n[$2] += $1} END {for (k in n) printf "%d %s, ", n[k], k; print "all files"}'
+rc=0
+for i in "${!shards[@]}"; do
+  wait "${pids[i]}"
+  code=$?
+  [ $code -ne 0 ] && rc=$code
+  echo "== ${shards[i]##*/} (exit $code) =="
+  cat "${shards[i]}.log"
+done
+tail -qn 1 "$work"/shard*.log | grep -oE '[0-9]+ (passed|failed|skipped|deselected|errors?)' \
+  | awk '{n[$2] += $1} END {for (k in n) printf "%d %s, ", n[k], k; print "all processes"}'
 exit $rc
