@@ -4,6 +4,9 @@ run in alternating processes, and whether their outputs are byte-identical.
     git archive REV cute_kernels | tar -x -C OLD     # the other version (carry OLD to the GPU)
     python -m perf.ab --old OLD --cells stacked:tp8:1024:m128:streamk,kv:bf16:262144,c128:all:32
 
+``--new DIR`` takes the new version from another folder too (a branch: ``git archive BRANCH
+cute_kernels``), instead of this repository's package; ``perf`` itself always comes from here.
+
 Cells (the make perf inputs of each op):
 
 - ``stacked:<layout>[:<T>[:<tile>[:<schedule>[:<CTA cap>]]]]``, a layout of
@@ -143,13 +146,14 @@ def worker(cells: list[Cell], replays: int, hot: bool) -> None:
         print(json.dumps(_measure(cell, timer, hot)), flush=True)
 
 
-def _run(version: str, old: Path, cache: Path, cells: list[Cell], replays: int,
+def _run(version: str, folder: Path, cache: Path, cells: list[Cell], replays: int,
          hot: bool = False) -> list[dict]:
-    """The cells in a worker process of ``version``: old imports the package in ``old``, new the
-    repository's. The worker runs in the cache folder, since ``python -m`` puts its working
-    directory ahead of PYTHONPATH (from the repository it would import the new package)."""
-    package = (old if version == "old" else ROOT).resolve() / "cute_kernels"
-    path = [str(old.resolve()), str(ROOT)] if version == "old" else [str(ROOT)]
+    """The cells in a worker process of ``version``, importing the package in ``folder`` (this
+    repository's, or another's ahead of it on the path). The worker runs in the cache folder,
+    since ``python -m`` puts its working directory ahead of PYTHONPATH (from the repository it
+    would import the repository's package)."""
+    package = folder.resolve() / "cute_kernels"
+    path = list(dict.fromkeys((str(folder.resolve()), str(ROOT))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         path + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
         CUTE_KERNELS_CACHE_DIR=str(cache / version))
@@ -204,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cells", required=True)
     parser.add_argument("--old", type=Path, help="a folder holding the other cute_kernels")
+    parser.add_argument("--new", type=Path, default=ROOT,
+                        help="a folder holding the new cute_kernels (default: this repository)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--replays", type=int, default=40)
     parser.add_argument("--hot", action="store_true",
@@ -216,17 +222,20 @@ def main(argv: list[str] | None = None) -> None:
     if cli.worker:
         worker(cells, cli.replays, cli.hot)
         return
-    if cli.old is None or not (cli.old / "cute_kernels").is_dir():
-        parser.error("--old: a folder with a cute_kernels package (git archive REV cute_kernels)")
+    for name, folder in (("--old", cli.old), ("--new", cli.new)):
+        if folder is None or not (folder / "cute_kernels").is_dir():
+            parser.error(f"{name}: a folder with a cute_kernels package (git archive REV "
+                         "cute_kernels)")
+    folders = {"old": cli.old, "new": cli.new}
     cache = Path(tempfile.mkdtemp(prefix="cute_kernels_ab_"))
     groups = list({c.compile_group: c for c in cells}.values())
     with ThreadPoolExecutor(cli.jobs) as pool:  # each thread waits on its own worker process
-        list(pool.map(lambda job: _run(job[0], cli.old, cache, [job[1]], 2),
+        list(pool.map(lambda job: _run(job[0], folders[job[0]], cache, [job[1]], 2),
                       [(version, cell) for version in ("old", "new") for cell in groups]))
     runs: dict[str, list[dict]] = {"old": [], "new": []}
     for _ in range(cli.rounds):
         for version in ("old", "new"):
-            runs[version] += _run(version, cli.old, cache, cells, cli.replays, cli.hot)
+            runs[version] += _run(version, folders[version], cache, cells, cli.replays, cli.hot)
     if cli.json:
         cli.json.write_text(json.dumps(runs, indent=1))
     print(table(runs))

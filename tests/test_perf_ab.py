@@ -53,15 +53,17 @@ def test_table_gives_hot_times_a_line_of_their_own() -> None:
 
 
 def test_each_worker_imports_its_own_package(tmp_path) -> None:
-    """The old worker must not import the repository's package (``python -m`` puts the working
-    directory first on sys.path): a copy stands in for the other version."""
+    """A worker imports the package of its folder, not the repository's (``python -m`` puts
+    the working directory first on sys.path): a copy stands in for the other version, as old
+    and as ``--new``."""
     old = tmp_path / "old"
     shutil.copytree(ab.ROOT / "cute_kernels", old / "cute_kernels",
                     ignore=shutil.ignore_patterns("__pycache__"))
     cache = tmp_path / "cache"
     cache.mkdir()
     assert ab._run("old", old, cache, [], 2) == []  # raises if it imported another package
-    assert ab._run("new", old, cache, [], 2) == []
+    assert ab._run("new", ab.ROOT, cache, [], 2) == []
+    assert ab._run("new", old, cache, [], 2) == []  # --new: a branch's package, not the repo's
 
 
 def test_a_cell_builds_calls_and_hashes_on_cpu_stand_ins(monkeypatch) -> None:
