@@ -26,9 +26,7 @@ PERF_ARGS ?=
 	touch $@
 
 test: $(ENV_DEP)
-	@if [ "$(TEST_JOBS)" -gt 1 ]; then bash tests/parallel.sh $(PY) $(TEST_JOBS) $(PYTEST_ARGS); \
-	else $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests; rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; rc=0; fi; exit $$rc; fi
+	bash tests/parallel.sh $(PY) $(TEST_JOBS) $(PYTEST_ARGS)
 
 perf: $(ENV_DEP)
 	$(PY) -m perf.run $(PERF_ARGS)

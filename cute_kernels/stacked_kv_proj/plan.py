@@ -186,6 +186,7 @@ SPLIT_SWAPPED_MIN_TOKENS = TILE_SWAP.bm + 1
 #: on 32 CTAs 9.33 / 9.50 against swap16's 64 CTAs 8.83 / 8.96 (2026-12-06 02:57 UTC). 48 sw32
 #: CTAs (H 2048, T = 65) and more stay sw32: 72 and 80 CTAs won (above).
 SPLIT_SWAPPED_SWAP16_MAX_CTAS = 32
+SPLIT_SWAPPED_SWAP16_MAX_TOKENS = 4 * TILE_SWAP.bm
 #: Where fewer splits than ``SPLIT_SWAPPED_MIN_SPLITS`` fit, sw32 runs one CTA a tile (no
 #: hand-over) up to this T, if its tiles are one token tile or fill at least
 #: ``UNSPLIT_SWAPPED_MIN_SHARE`` of ``SPLIT_SWAPPED_MAX_CTAS``: TP 1, T <= 32 (80 tiles) and
@@ -697,13 +698,12 @@ def decode_swapped_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: i
     ``SPLIT_SWAPPED_MAX_CTAS`` CTAs allow (and ``ctas``, the resident CTAs or their
     override; at most ``CLUSTER_MAX_SPLITS``, the k-tiles, and what is resident at once),
     planned for ``SPLIT_SWAPPED_MIN_TOKENS <= T <= SWAP_MAX_TOKENS`` when that gives at least
-    ``SPLIT_SWAPPED_MIN_SPLITS`` splits; up to four swap16 token tiles, on at most
-    ``SPLIT_SWAPPED_SWAP16_MAX_CTAS`` CTAs, the mma core's split swapped plan instead where all
-    its CTAs fit at once (twice the CTAs; None where they do not). With fewer splits, one CTA a
-    tile up to
-    ``UNSPLIT_SWAPPED_MAX_TOKENS`` where the tiles are one token tile or at least
-    ``UNSPLIT_SWAPPED_MIN_SHARE`` of ``SPLIT_SWAPPED_MAX_CTAS``. So the split plan runs for
-    the layouts of at most 26 weight tiles per token tile, where the other plans leave most
+    ``SPLIT_SWAPPED_MIN_SPLITS`` splits; up to ``SPLIT_SWAPPED_SWAP16_MAX_TOKENS``, on at most
+    ``SPLIT_SWAPPED_SWAP16_MAX_CTAS`` CTAs, the mma core's split swapped plan instead where
+    all its CTAs fit at once (twice the CTAs; None where they do not). With fewer splits, one
+    CTA a tile up to ``UNSPLIT_SWAPPED_MAX_TOKENS`` where the tiles are one token tile or at
+    least ``UNSPLIT_SWAPPED_MIN_SHARE`` of ``SPLIT_SWAPPED_MAX_CTAS``. So the split plan runs
+    for the layouts of at most 26 weight tiles per token tile, where the other plans leave most
     SMs idle; measured against the plan before it (H200, 2026-12-02 20:00 UTC, cold us): TP 8,
     T = 64, 13.1 against 14.3; D = 64 (H 4096, L 3, n_kv 4), T = 64, 13.3 against 14.6; H
     2048 x 1 x 1 x 128, T = 64 / 128 / 256, 8.4 / 8.7 / 9.9 against 10.7 / 10.6 / 10.8; and
@@ -719,7 +719,8 @@ def decode_swapped_plan(layout: StackedLayout, tokens: int, hidden: int, ctas: i
     while splits > 1 and tiles * splits > residency(splits, 1):
         splits -= 1
     if splits >= SPLIT_SWAPPED_MIN_SPLITS:
-        if tokens <= 4 * TILE_SWAP.bm and tiles * splits <= SPLIT_SWAPPED_SWAP16_MAX_CTAS:
+        if (tokens <= SPLIT_SWAPPED_SWAP16_MAX_TOKENS
+                and tiles * splits <= SPLIT_SWAPPED_SWAP16_MAX_CTAS):
             swap16, estimate_us = swap_plan(layout, tokens, hidden, ctas, residency)
             return swap16 if estimate_us < math.inf else None
         return StackedPlan(StackedVariant("wgmma", config.name, True), False, tiles * splits,
