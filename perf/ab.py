@@ -9,9 +9,10 @@ cute_kernels``), instead of this repository's package; ``perf`` itself always co
 
 Cells (the make perf inputs of each op):
 
-- ``stacked:<layout>[:<T>[:<tile>[:<schedule>[:<CTA cap>]]]]``, a layout of
+- ``stacked:<layout>[:<T>[:<tile>[:<schedule>[:<CTA cap>[:<splits>]]]]]``, a layout of
   ``perf.sweep_stacked.LAYOUTS`` (tp1, tp2, tp4, tp8, 1layer, small, large, d64, d256, 4b-tp2,
-  d64-l6) and the ``CUTE_KERNELS_STACKED_{TILE,SCHEDULE,CTAS}`` overrides (``auto``: the plan);
+  d64-l6) and the ``CUTE_KERNELS_STACKED_{TILE,SCHEDULE,CTAS,SPLITS}`` overrides (``auto``:
+  the plan); every other plan override of the environment is cleared for each cell;
 - ``kv:<format>:<T>[:decode]``, a ``CacheFormat`` value (v4_packed, v41_mxfp8, bf16, fp8);
 - ``c128:<all|mix|none>:<T>``.
 
@@ -36,11 +37,17 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cute_kernels.stacked_kv_proj.plan import CTAS_ENV, SCHEDULE_ENV, TILE_ENV
+from cute_kernels.stacked_kv_proj.plan import (
+    CTAS_ENV,
+    OVERRIDE_ENVS,
+    SCHEDULE_ENV,
+    SPLITS_ENV,
+    TILE_ENV,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 #: the overrides a stacked cell's options set, in option order
-STACKED_ENV = (TILE_ENV, SCHEDULE_ENV, CTAS_ENV)
+STACKED_ENV = (TILE_ENV, SCHEDULE_ENV, CTAS_ENV, SPLITS_ENV)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +75,7 @@ def parse_cells(text: str) -> list[Cell]:
         op, case, *rest = item.split(":")
         if op not in ("stacked", "kv", "c128") or not rest or not rest[0].isdigit():
             raise ValueError(f"cell {item!r}: expected stacked|kv|c128:<case>:<T>[:...]")
-        limit = {"stacked": 3, "kv": 1, "c128": 0}[op]
+        limit = {"stacked": len(STACKED_ENV), "kv": 1, "c128": 0}[op]
         if len(rest) - 1 > limit:
             raise ValueError(f"cell {item!r}: at most {limit} options for {op}")
         cells.append(Cell(op, case, int(rest[0]), tuple(rest[1:])))
@@ -80,6 +87,14 @@ def _stacked_env(cell: Cell) -> dict[str, str]:
             if value != "auto"}
 
 
+def _apply_stacked_env(cell: Cell) -> None:
+    """Every plan override cleared, then the cell's own set: none leaks in from the caller's
+    environment or from the previous cell."""
+    for name in OVERRIDE_ENVS:
+        os.environ.pop(name, None)
+    os.environ.update(_stacked_env(cell))
+
+
 def _measure(cell: Cell, timer, hot: bool = False) -> dict:
     """Time one cell in this process (cold; with ``hot`` also 20 calls in one graph, L2 warm)
     and hash its outputs (GPU)."""
@@ -88,9 +103,7 @@ def _measure(cell: Cell, timer, hot: bool = False) -> dict:
     import cute_kernels
     from cute_kernels.testing import POISON
 
-    for name in STACKED_ENV:
-        os.environ.pop(name, None)
-    os.environ.update(_stacked_env(cell))
+    _apply_stacked_env(cell)
     plan = ""
     if cell.op == "stacked":
         from cute_kernels.stacked_kv_proj.interface import plan_for_call

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from cute_kernels.stacked_kv_proj.plan import (
     CTAS_ENV,
+    OVERRIDE_ENVS,
     SCHEDULE_ENV,
     SPLITS_ENV,
     TILE_ENV,
@@ -76,17 +77,15 @@ def _parse_config(name: str) -> tuple[str, str, int | None, int | None]:
 @contextlib.contextmanager
 def forced(config: tuple[str, str, int | None, int | None] | None) -> Iterator[None]:
     """The ``CUTE_KERNELS_STACKED_*`` overrides of ``config`` (None: none, the plan) while
-    inside, and none after."""
+    inside, and none after: every other plan override is cleared too."""
     values = dict(zip(OVERRIDE_ENV, config or (None,) * len(OVERRIDE_ENV), strict=True))
-    for name, value in values.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = str(value)
+    for name in OVERRIDE_ENVS:
+        os.environ.pop(name, None)
+    os.environ.update({name: str(value) for name, value in values.items() if value is not None})
     try:
         yield
     finally:
-        for name in values:
+        for name in OVERRIDE_ENVS:
             os.environ.pop(name, None)
 
 

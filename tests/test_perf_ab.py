@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -23,8 +24,23 @@ def test_cells_parse_with_their_options() -> None:
     assert len(groups) == 3
 
 
+def test_a_cell_sets_its_overrides_and_clears_every_other(monkeypatch) -> None:
+    # a caller's (or the previous cell's) split, hand-over and core would change the plan
+    for name, value in (("CUTE_KERNELS_STACKED_SPLITS", "3"), ("CUTE_KERNELS_STACKED_IMPL", "mma"),
+                        ("CUTE_KERNELS_STACKED_HANDOVER", "workspace"),
+                        ("CUTE_KERNELS_STACKED_TILE", "m128")):
+        monkeypatch.setenv(name, value)
+    ab._apply_stacked_env(ab.parse_cells("stacked:tp8:1:auto:dp")[0])
+    assert {k: v for k, v in os.environ.items() if k.startswith("CUTE_KERNELS_STACKED_")} == {
+        "CUTE_KERNELS_STACKED_SCHEDULE": "dp"}
+    ab._apply_stacked_env(ab.parse_cells("stacked:tp8:1:swap16:auto:auto:4")[0])
+    assert {k: v for k, v in os.environ.items() if k.startswith("CUTE_KERNELS_STACKED_")} == {
+        "CUTE_KERNELS_STACKED_TILE": "swap16", "CUTE_KERNELS_STACKED_SPLITS": "4"}
+
+
 @pytest.mark.parametrize("text", ["gemm:tp1:1", "stacked:tp1", "stacked:tp1:x",
-                                  "kv:bf16:16:decode:extra", "c128:all:32:more"])
+                                  "kv:bf16:16:decode:extra", "c128:all:32:more",
+                                  "stacked:tp1:1:m64:dp:80:2:extra"])
 def test_malformed_cells_are_refused(text: str) -> None:
     with pytest.raises(ValueError, match="cell"):
         ab.parse_cells(text)

@@ -43,13 +43,8 @@ from ..validation import (
 )
 from .mma import StackedKvProjMma
 from .plan import (
-    CTAS_ENV,
-    HANDOVER_ENV,
-    IMPL_ENV,
-    SCHEDULE_ENV,
-    SPLITS_ENV,
+    OVERRIDE_ENVS,
     SWAPPED_WGMMA_MAX_COLUMNS,
-    TILE_ENV,
     TILES,
     StackedLayout,
     StackedPlan,
@@ -371,7 +366,7 @@ def _planned(layout: StackedLayout, plan: StackedPlan, args: tuple) -> Callable[
 
 
 @cute_op("stacked_kv_proj", mutates_args=("k_caches", "v_caches"), prepare=_launch,
-         env=(IMPL_ENV, TILE_ENV, SCHEDULE_ENV, CTAS_ENV, SPLITS_ENV, HANDOVER_ENV))
+         env=OVERRIDE_ENVS)
 def stacked_kv_proj(
     ctx_hidden: torch.Tensor,
     weight: torch.Tensor,

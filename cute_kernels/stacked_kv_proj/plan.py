@@ -32,6 +32,8 @@ SPLITS_ENV = "CUTE_KERNELS_STACKED_SPLITS"
 #: :func:`split_plan`), ``cluster`` (DSMEM, at most CLUSTER_MAX_SPLITS) or ``workspace``.
 HANDOVER_ENV = "CUTE_KERNELS_STACKED_HANDOVER"
 HANDOVERS = ("auto", "cluster", "workspace")
+#: Every override of the plan (what a call's environment read watches).
+OVERRIDE_ENVS = (IMPL_ENV, TILE_ENV, SCHEDULE_ENV, CTAS_ENV, SPLITS_ENV, HANDOVER_ENV)
 
 
 @dataclasses.dataclass(frozen=True)
