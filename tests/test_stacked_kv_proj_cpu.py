@@ -732,7 +732,7 @@ DRAFTER_TP8 = StackedLayout(5, 1, 128, False, False, "float32", "sm_90a")  # 10 
 @pytest.mark.parametrize(("env", "expected"), [
     ({}, (False, 80)),  # T = 1: the swapped tile, 10 tiles of 1 MB split 8 ways
     ({"CUTE_KERNELS_STACKED_SPLITS": "3"}, (False, 30)),
-    ({"CUTE_KERNELS_STACKED_SPLITS": "100"}, (False, 640)),  # capped at 64 k-tiles
+    ({"CUTE_KERNELS_STACKED_SPLITS": "100"}, (False, 640)),  # 64 k-tiles, the workspace
     ({"CUTE_KERNELS_STACKED_SCHEDULE": "dp"}, (False, 10)),  # a schedule: the wgmma core
     ({"CUTE_KERNELS_STACKED_SCHEDULE": "streamk"}, (True, 132)),
     ({"CUTE_KERNELS_STACKED_SCHEDULE": "streamk", "CUTE_KERNELS_STACKED_CTAS": "7"},
@@ -780,6 +780,11 @@ def test_split_hand_over(monkeypatch):
     layout = StackedLayout(2, 2, 128, False, False, "float32", "sm_90a")  # 8 weight tiles
     assert choose_plan(layout, 1, 4096, 132) == StackedPlan(
         StackedVariant("mma", "swap16", cluster=True), False, 64, 8, 8)
+    # a forced split past 8: the workspace (the cluster hand-over sums at most 8 partials)
+    monkeypatch.setenv("CUTE_KERNELS_STACKED_SPLITS", "13")
+    assert choose_plan(layout, 1, 4096, 132) == StackedPlan(
+        StackedVariant("mma", "swap16"), False, 104, 8, 13)
+    monkeypatch.delenv("CUTE_KERNELS_STACKED_SPLITS")
     # clusters of 8 and 7 fit fewer CTAs than that: 6 splits
     residency = {8: 48, 7: 49, 6: 48}.get
     assert choose_plan(layout, 1, 4096, 132, lambda size, per_sm: residency(size, 264)) == (

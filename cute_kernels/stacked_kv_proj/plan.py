@@ -637,7 +637,8 @@ def formula_residency(sms: int) -> ClusterResidency:
 def split_plan(layout: StackedLayout, tile: str, tokens: int, hidden: int, ctas: int,
                residency: ClusterResidency, handover: str) -> StackedPlan:
     """The mma core's plan of ``tile`` with its split and hand-over. ``handover`` ``cluster``
-    or ``workspace`` forces one; ``auto`` takes the cluster one on a swapped tile with one
+    or ``workspace`` forces one; ``auto`` takes the cluster one, for at most
+    ``CLUSTER_MAX_SPLITS`` splits (a forced split may be more), on a swapped tile with one
     token tile (T <= 16: faster in every measured layout, the workspace hand-over costing
     1.7-3.9 us of the TP 2..8 decode plans, the cluster one 0.1-1.9), or with at least
     ``CLUSTER_MIN_SPLITS_MULTI_TILE`` splits on at most one CTA per SM; its split is at most
@@ -666,8 +667,10 @@ def split_plan(layout: StackedLayout, tile: str, tokens: int, hidden: int, ctas:
 
     if handover == "auto":
         splits = splits_for(True)
-        cluster = tiles == weight_tiles or (splits >= CLUSTER_MIN_SPLITS_MULTI_TILE
-                                            and tiles * splits <= ctas)
+        # (a forced split past CLUSTER_MAX_SPLITS: the cluster hand-over sums no more partials)
+        cluster = splits <= CLUSTER_MAX_SPLITS and (
+            tiles == weight_tiles
+            or (splits >= CLUSTER_MIN_SPLITS_MULTI_TILE and tiles * splits <= ctas))
         if not cluster:
             splits = splits_for(False)
     else:
