@@ -265,15 +265,17 @@ SPLIT_K_CASES = [  # (tokens, H, L, n_kv, D, tile, splits): the mma core's split
     (3, 1024, 1, 1, 64, "swap16", 6),  # kv 64: more epilogue thread rows than tile rows
     (40, 1024, 2, 2, 128, "swap16", 3),  # 3 token tiles, the last one partial
     (100, 1024, 2, 2, 128, "m64", 3),  # split K on a data-parallel tile
+    (1, 4096, 5, 1, 128, "swap16", 12),  # TP 8 on 120 CTAs: more splits than a cluster holds
 ]
 
 
-@pytest.mark.parametrize("handover", ["cluster", "workspace"])
+@pytest.mark.parametrize("handover", ["cluster", "workspace", "auto"])
 @pytest.mark.parametrize("case_args", SPLIT_K_CASES, ids=str)
 def test_split_k(case_args, handover, monkeypatch):
     """The mma core's split K forced on small and odd layouts, with both hand-overs: every
     tile's partials summed in split order (in a cluster, each CTA its slice of the rows; over
-    the workspace, the CTA that arrives last), skipped rows untouched."""
+    the workspace, the CTA that arrives last), skipped rows untouched; and the hand-over the
+    planner picks for a forced split (the workspace past 8 splits)."""
     *layout, tile, splits = case_args
     if handover == "cluster" and (splits or 0) > 8:
         pytest.skip("a cluster holds at most 8 splits")
