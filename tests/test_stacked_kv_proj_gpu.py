@@ -265,7 +265,7 @@ SPLIT_K_CASES = [  # (tokens, H, L, n_kv, D, tile, splits): the mma core's split
     (3, 1024, 1, 1, 64, "swap16", 6),  # kv 64: more epilogue thread rows than tile rows
     (40, 1024, 2, 2, 128, "swap16", 3),  # 3 token tiles, the last one partial
     (100, 1024, 2, 2, 128, "m64", 3),  # split K on a data-parallel tile
-    (1, 4096, 5, 1, 128, "swap16", 12),  # TP 8 on 120 CTAs: more splits than a cluster holds
+    (16, 4096, 5, 1, 128, "swap16", 12),  # TP 8 on 120 CTAs: more splits than a cluster holds
 ]
 
 
