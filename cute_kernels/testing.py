@@ -91,8 +91,8 @@ def kv_rope_insert_case(
         pages = torch.randperm(num_blocks, generator=gen)
         t = torch.arange(num_slots)
         slots = pages[t // block_size] * block_size + t % block_size
-    if skip_every:
-        slots[::skip_every] = -1
+    if skip_every:  # the last of every skip_every rows: a one-row case still writes its row
+        slots[skip_every - 1::skip_every] = -1
     if out_of_range:
         capacity = num_blocks * block_size
         past = slots[1::6]
@@ -475,8 +475,8 @@ def stacked_kv_proj_case(
     positions = torch.randint(0, max_pos, (tokens,), generator=gen, device=dev)
     slots = tokens + extra_slots
     loc = torch.randperm(slots, generator=gen, device=dev)[:tokens]
-    if skip_every:
-        loc[::skip_every] = -1
+    if skip_every:  # the last of every skip_every rows: a one-row case still writes its row
+        loc[skip_every - 1::skip_every] = -1
     guard_rows = 8 if out_of_range else 0
     if out_of_range:
         past = loc[1::6]

@@ -221,3 +221,13 @@ def test_out_of_range_indices_write_nothing(fmt):
                                            * case.k_cache.element_size():]
     assert guard.numel() > 0 and bool((guard == POISON).all())
     assert bool((case.backing.view(torch.uint8) != POISON).any())  # the other rows were written
+
+
+@pytest.mark.parametrize("slot_pattern", ["random", "paged", "decode"])
+def test_a_one_slot_case_writes_its_slot(slot_pattern):
+    """The cases skip the last of every ``skip_every`` slots, so a decode-sized case (T = 1..4)
+    writes every row: a test at those sizes checks values, not only untouched poison."""
+    case = make_case(CacheFormat.BF16, 1, 64, "cpu", slot_pattern=slot_pattern)
+    assert int(case.slot_mapping[0]) >= 0
+    assert (make_case(CacheFormat.BF16, 12, 64, "cpu").slot_mapping == -1).nonzero().view(
+        -1).tolist() == [4, 9]

@@ -904,3 +904,11 @@ def test_reference_out_of_range_indices_write_nothing():
         guard = got.view(torch.uint8)[cache.shape[0] * cache.stride(0) * 2:]
         assert guard.numel() > 0 and bool((guard == POISON).all())
     assert compare(case, case.k_caches, case.v_caches).untouched_equal
+
+
+def test_a_one_token_case_writes_its_row():
+    """The cases skip the last of every ``skip_every`` rows, so a decode-sized case (T = 1..4)
+    writes every row: a test at those sizes checks values, not only untouched poison."""
+    rows, _ = make_case(1, bias=True).written_rows()
+    assert rows.tolist() == [0]
+    assert (make_case(12).cache_loc == -1).nonzero().view(-1).tolist() == [4, 9]
