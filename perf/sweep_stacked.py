@@ -28,16 +28,13 @@ import torch
 import torch.nn.functional as F
 
 from cute_kernels.stacked_kv_proj.plan import (
-    CTAS_ENV,
     OVERRIDE_ENVS,
-    SCHEDULE_ENV,
-    SPLITS_ENV,
-    TILE_ENV,
     StackedLayout,
     choose_plan,
 )
 
 from . import bench_stacked_kv_proj as bench
+from .ab import STACKED_ENV
 from .bench_stacked_kv_proj import FLOOR_BYTES_PER_S, Layout
 
 # make perf's layouts, and the corners of the target space (H 2048..8192, L 1..6, D 64..256)
@@ -57,8 +54,6 @@ TOKENS = (1, 16, 64, 128, 256, 1024)
 CONFIGS = (*((tile, schedule, None, None) for tile in ("m64", "m128", "m128w")
              for schedule in ("dp", "streamk")),
            ("m64", "streamk", 66, None), ("m64", "streamk", 33, None))
-#: the overrides a config sets, in its order (tile, schedule, CTA cap, splits)
-OVERRIDE_ENV = (TILE_ENV, SCHEDULE_ENV, CTAS_ENV, SPLITS_ENV)
 
 
 def _name(tile: str, schedule: str, ctas: int | None, splits: int | None) -> str:
@@ -78,7 +73,8 @@ def _parse_config(name: str) -> tuple[str, str, int | None, int | None]:
 def forced(config: tuple[str, str, int | None, int | None] | None) -> Iterator[None]:
     """The ``CUTE_KERNELS_STACKED_*`` overrides of ``config`` (None: none, the plan) while
     inside, and none after: every other plan override is cleared too."""
-    values = dict(zip(OVERRIDE_ENV, config or (None,) * len(OVERRIDE_ENV), strict=True))
+    # a config names the overrides of an ab cell's options, in their order
+    values = dict(zip(STACKED_ENV, config or (None,) * len(STACKED_ENV), strict=True))
     for name in OVERRIDE_ENVS:
         os.environ.pop(name, None)
     os.environ.update({name: str(value) for name, value in values.items() if value is not None})
