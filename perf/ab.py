@@ -87,12 +87,16 @@ def _stacked_env(cell: Cell) -> dict[str, str]:
             if value != "auto"}
 
 
-def _apply_stacked_env(cell: Cell) -> None:
-    """Every plan override cleared, then the cell's own set: none leaks in from the caller's
-    environment or from the previous cell."""
+def set_plan_overrides(values: dict[str, str]) -> None:
+    """Every plan override cleared, then ``values`` set: none leaks in from the caller's
+    environment or from the previous cell (``perf.sweep_stacked.forced`` too)."""
     for name in OVERRIDE_ENVS:
         os.environ.pop(name, None)
-    os.environ.update(_stacked_env(cell))
+    os.environ.update(values)
+
+
+def _apply_stacked_env(cell: Cell) -> None:
+    set_plan_overrides(_stacked_env(cell))
 
 
 def _measure(cell: Cell, timer, hot: bool = False) -> dict:

@@ -27,14 +27,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cute_kernels.stacked_kv_proj.plan import (
-    OVERRIDE_ENVS,
-    StackedLayout,
-    choose_plan,
-)
+from cute_kernels.stacked_kv_proj.plan import StackedLayout, choose_plan
 
 from . import bench_stacked_kv_proj as bench
-from .ab import STACKED_ENV
+from .ab import STACKED_ENV, set_plan_overrides
 from .bench_stacked_kv_proj import FLOOR_BYTES_PER_S, Layout
 
 # make perf's layouts, and the corners of the target space (H 2048..8192, L 1..6, D 64..256)
@@ -74,15 +70,12 @@ def forced(config: tuple[str, str, int | None, int | None] | None) -> Iterator[N
     """The ``CUTE_KERNELS_STACKED_*`` overrides of ``config`` (None: none, the plan) while
     inside, and none after: every other plan override is cleared too."""
     # a config names the overrides of an ab cell's options, in their order
-    values = dict(zip(STACKED_ENV, config or (None,) * len(STACKED_ENV), strict=True))
-    for name in OVERRIDE_ENVS:
-        os.environ.pop(name, None)
-    os.environ.update({name: str(value) for name, value in values.items() if value is not None})
+    values = zip(STACKED_ENV, config or (None,) * len(STACKED_ENV), strict=True)
+    set_plan_overrides({name: str(value) for name, value in values if value is not None})
     try:
         yield
     finally:
-        for name in OVERRIDE_ENVS:
-            os.environ.pop(name, None)
+        set_plan_overrides({})
 
 
 def planned_keys(layouts, configs, tokens, sms: int) -> list:
