@@ -76,6 +76,7 @@ def _stacked_kv_proj() -> int:
     from cute_kernels.stacked_kv_proj.plan import (
         CTAS_ENV,
         HANDOVER_ENV,
+        IMPL_ENV,
         SCHEDULE_ENV,
         SPLIT_SWAPPED_WGMMA_TILES,
         SPLITS_ENV,
@@ -85,6 +86,7 @@ def _stacked_kv_proj() -> int:
         tiles_for,
     )
     from cute_kernels.testing import compare_stacked, stacked_kv_proj_case
+    from perf.ab import set_plan_overrides
 
     arch = f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}a"
     # every tile of each core, with each schedule: the wgmma core's data-parallel (the
@@ -107,8 +109,8 @@ def _stacked_kv_proj() -> int:
                     continue  # the other wgmma tiles have no split variant
                 if TILES[tile].persistent:  # every tile on one CTA: the hand-over cycles
                     schedule = {**schedule, CTAS_ENV: "1"}
-                env = {"CUTE_KERNELS_STACKED_IMPL": impl, TILE_ENV: tile, **schedule}
-                os.environ.update(env)
+                env = {IMPL_ENV: impl, TILE_ENV: tile, **schedule}
+                set_plan_overrides(env)  # and none left from the caller or the last variant
                 # slots and positions out of range too: nothing read or written outside
                 case = stacked_kv_proj_case(37, 256, 2, 2, 128, "cuda", bias=True,
                                             commit=True, row_pad=8, out_of_range=True)
@@ -119,11 +121,9 @@ def _stacked_kv_proj() -> int:
                 result = compare_stacked(case, ref_k, ref_v)
                 assert result.untouched_equal, env
                 calls += 1
-                for key in env:
-                    os.environ.pop(key)
     # the weight's evict-first loads (plan.EVICT_FIRST_WEIGHT_BYTES: 12 MiB here), as planned
     for impl in impls_for(arch):
-        os.environ["CUTE_KERNELS_STACKED_IMPL"] = impl
+        set_plan_overrides({IMPL_ENV: impl})
         for tokens in (1, 37):
             case = stacked_kv_proj_case(tokens, 6144, 2, 2, 128, "cuda")
             _, _, ref_k, ref_v = case.twin()
@@ -132,7 +132,7 @@ def _stacked_kv_proj() -> int:
             torch.cuda.synchronize()
             assert compare_stacked(case, ref_k, ref_v).untouched_equal, (impl, tokens)
             calls += 1
-        os.environ.pop("CUTE_KERNELS_STACKED_IMPL")
+    set_plan_overrides({})
     return calls
 
 
