@@ -29,6 +29,8 @@ def fail(arg: str, expected: str, got: object) -> NoReturn:
 def describe(value: object) -> str:
     """A short description of any value for a message (never the repr of a huge object)."""
     if isinstance(value, torch.Tensor):
+        if value.is_nested:  # its components' shapes differ: it has no one shape to name
+            return f"a nested {value.dtype} tensor on {value.device}"
         return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
     text = repr(value)
     return text if len(text) <= 60 else f"a {type(value).__name__}"
@@ -36,11 +38,14 @@ def describe(value: object) -> str:
 
 def expect_tensor(t: object, arg: str) -> torch.Tensor:
     """A dense torch.Tensor: the kernels address every argument by its strides (a sparse or
-    otherwise unstrided tensor has none, nor a data pointer to pass)."""
+    otherwise unstrided tensor has none, nor a data pointer to pass; a nested tensor of the
+    strided layout has neither one shape nor strides)."""
     if not isinstance(t, torch.Tensor):
         fail(arg, "a torch.Tensor", describe(t))
     if t.layout is not torch.strided:
         fail(arg, "a dense (torch.strided) tensor", f"layout {t.layout}")
+    if t.is_nested:
+        fail(arg, "a dense (torch.strided) tensor", describe(t))
     return t
 
 

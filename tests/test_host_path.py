@@ -92,6 +92,37 @@ def test_a_sparse_tensor_is_rejected_by_name(name):
     assert op.check(*args) is None
 
 
+def _nested(t: torch.Tensor) -> torch.Tensor:
+    """A nested tensor of the strided layout holding ``t``: no one shape, no strides (reading
+    either raises), and Dynamo's tensor guard aborts the process on it."""
+    return torch.nested.nested_tensor([t.clone()])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_nested_tensor_is_rejected_by_name(name):
+    """In every tensor's place, after the layout was accepted by the op and by check (so the
+    recent-layout test sees it first): a LayoutError naming the argument, from both, as a fresh
+    validation raises it; nothing is launched."""
+    op = getattr(cute_kernels, name)
+    args = CASES[name]()
+    params = list(inspect.signature(op).parameters)
+    with cpu_launches() as launches:
+        for place in _tensor_places(args):
+            i, j = place
+            bad = list(args)
+            bad[i] = _nested(args[i]) if j is None else [
+                _nested(c) if k == j else c for k, c in enumerate(args[i])]
+            want = _fresh(op, bad)
+            assert want is not None and want.startswith(params[i]), (place, want)
+            assert "nested" in want, (place, want)
+            op(*args)
+            op.check(*args)
+            del launches[:]
+            assert _message(op, *bad) == want, place
+            assert _message(op.check, *bad) == want, place
+            assert launches == [], place
+
+
 def test_a_sparse_item_of_a_sequence_is_rejected_by_name():
     stacked = cute_kernels.stacked_kv_proj
     stacked.forget_layouts()
@@ -294,6 +325,7 @@ MUTATIONS = {
     "swap_tensors meta": lambda t: torch.utils.swap_tensors(t, torch.empty_strided(
         t.shape, t.stride(), dtype=t.dtype, device="meta")),
     "swap_tensors misaligned": _swap_misaligned,
+    "swap_tensors nested": lambda t: torch.utils.swap_tensors(t, _nested(t)),
 }
 
 

@@ -173,7 +173,8 @@ KERNELS = KernelCache("stacked_kv_proj", _build, _variants)
 def _cache_ok(c: object, device: torch.device, n_kv: int, head_dim: int) -> bool:
     """The common case in one pass (a serving step checks 2L caches per call; this is the
     host-time hot spot of a call)."""
-    if not isinstance(c, torch.Tensor) or c.dtype is not torch.bfloat16:
+    if (not isinstance(c, torch.Tensor) or c.dtype is not torch.bfloat16
+            or c.layout is not torch.strided or c.is_nested):
         return False
     shape = c.shape
     if len(shape) != 3 or shape[1] != n_kv or shape[2] != head_dim or c.device != device:
