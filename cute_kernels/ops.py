@@ -144,23 +144,19 @@ class RecentLayout:
     addresses modulo 16. :attr:`match` is true exactly when the signature would be equal,
     except that it also asks for the same requires_grad and dispatch keys (a stricter test:
     a miss only costs the signature) and leaves the addresses out (a call of the op leaves
-    them to the compiled function, see :func:`cute_op`). ``check`` adds them:
-    :attr:`match16` accepts any addresses that are all 16-byte aligned (every alignment a
-    validation checks is at most 16 bytes, so such a call passes them all, as the layout
-    did), :meth:`matches_misaligned` the layout's own addresses modulo 16. Tensors that are
-    all on the meta device (a model loader's check) have no addresses to read: the guard
-    holds them there."""
+    them to the compiled function, see :func:`cute_op`). ``check`` asks
+    :attr:`match_addresses`, which adds them: any addresses that are all 16-byte aligned
+    (every alignment a validation checks is at most 16 bytes, so such a call passes them all,
+    as the layout did), or else the layout's own addresses modulo 16. Tensors that are all on
+    the meta device (a model loader's check) have no addresses to read: the guard holds them
+    there."""
 
-    __slots__ = ("match", "match16", "pick", "aligns", "addressless", "target")
+    __slots__ = ("match", "match_addresses", "target")
 
     def __init__(self, match: Callable[[object, tuple], bool],
-                 match16: Callable[[object, tuple], bool], pick: Callable[[tuple], list],
-                 aligns: tuple, addressless: bool, target: object) -> None:
+                 match_addresses: Callable[[object, tuple], bool], target: object) -> None:
         self.match = match  # (env, args) -> bool, every test but the addresses'
-        self.match16 = match16  # the same, and every tensor 16-byte aligned (or no address)
-        self.pick = pick  # args -> the guarded tensors, in guard order
-        self.aligns = aligns
-        self.addressless = addressless
+        self.match_addresses = match_addresses  # the same, and the addresses (check's test)
         self.target = target  # what the op keeps for the layout (its launch, or True)
 
     @classmethod
@@ -179,38 +175,32 @@ class RecentLayout:
                 sequences.append((i, type(a), len(a)))
             else:
                 values.append((i, a))
-        pick = _picker(tensors, [i for i, _, _ in sequences])
-
-        flat = pick(args)
+        flat = _picker(tensors, [i for i, _, _ in sequences])(args)
         try:
             guard = TensorGuards(
                 *flat, dynamic_dims_sizes=[list(t.shape) for t in flat],
                 dynamic_dims_strides=[list(t.stride()) for t in flat])
         except (TypeError, RuntimeError):
             return None
-        match, match16 = _matcher(len(args), env, tensors, sequences, values, guard.check)
         addressless = all(t.device.type == "meta" for t in flat)
-        return cls(match, match if addressless else match16, pick,
-                   tuple(t.data_ptr() & 15 for t in flat), addressless, target)
-
-    def matches_misaligned(self, env: object, args: tuple) -> bool:
-        """:attr:`match`, and the tensors' addresses modulo 16 as the layout's (what
-        ``check`` asks after :attr:`match16` when a tensor is not 16-byte aligned)."""
-        return (not self.addressless and self.match(env, args)
-                and tuple(t.data_ptr() & 15 for t in self.pick(args)) == self.aligns)
+        aligns = None if addressless else tuple(t.data_ptr() & 15 for t in flat)
+        return cls(*_matcher(len(args), env, tensors, sequences, values, guard.check, aligns),
+                   target)
 
 
 def _matcher(count: int, env: object, tensors: list[int], sequences: list[tuple],
-             values: list[tuple], guard_check: Callable[..., bool]
+             values: list[tuple], guard_check: Callable[..., bool], aligns: tuple | None
              ) -> tuple[Callable[[object, tuple], bool], Callable[[object, tuple], bool]]:
     """The tests of one layout as straight-line functions (generated, as ``dataclasses``
     generates its methods): :attr:`RecentLayout.match` (the environment, each value
     argument's identity or type and value, each sequence's type and length, then the guard
-    over the tensors in one call) and :attr:`RecentLayout.match16`, the same and all the
-    tensors' addresses 16-byte aligned (their bitwise or). Measured on the development CPU,
-    a TP-1 stacked call's match costs 1.1 us this way and 1.45 us as loops over the
-    positions (the guard alone, 1.0)."""
-    consts: dict[str, object] = {"ENV": env, "GUARD": guard_check, "ADDRESS": _Tensor.data_ptr}
+    over the tensors in one call) and :attr:`RecentLayout.match_addresses`, the same and then
+    the tensors' addresses: all 16-byte aligned (their bitwise or), or else each modulo 16 as
+    ``aligns`` (None: tensors without addresses, the test is ``match``). Measured on the
+    development CPU, a TP-1 stacked call's match costs 1.1 us this way and 1.45 us as loops
+    over the positions (the guard alone, 1.0)."""
+    consts: dict[str, object] = {"ENV": env, "GUARD": guard_check, "ADDRESS": _Tensor.data_ptr,
+                                 "ALIGNS": aligns}
     head = ["    try:", f"        {', '.join(f'a{i}' for i in range(count))}, = args",
             "        if env != ENV:", "            return False"]
     for i, value in values:
@@ -231,19 +221,26 @@ def _matcher(count: int, env: object, tensors: list[int], sequences: list[tuple]
                  "            return False", f"        [{', '.join(names)}] = a{i}"]
     tensor_names = [f"a{i}" for i in tensors] + items
     # A non-tensor in a tensor's place fails the tests (False or an error). A nested tensor
-    # of the strided layout must not reach it: the guard reads every tensor's strides before
+    # of the strided layout must not reach the guard: it reads every tensor's strides before
     # it compares anything, and a nested tensor's strides throw a C++ error that the guard
     # does not catch (the process aborts). Such a call misses here; the validation rejects it.
     nested = " or ".join(f"{name}.is_nested" for name in tensor_names) or "False"
     guard = f"(not ({nested}) and GUARD({', '.join(tensor_names)}))"
-    addresses = " | ".join(f"ADDRESS({name})" for name in tensor_names) or "0"
     # (a non-tensor has no is_nested: AttributeError)
     tail = ["    except (TypeError, ValueError, AttributeError):", "        return False"]
-    source = ["def match(env, args):", *head, f"        return {guard}", *tail,
-              "def match16(env, args):", *head, f"        if not {guard}:",
-              "            return False", f"        return ({addresses}) & 15 == 0", *tail]
+    source = ["def match(env, args):", *head, f"        return {guard}", *tail]
+    if aligns is not None and tensor_names:
+        # the addresses are read again for the rare layout not all 16-byte aligned (keeping
+        # them in names cost the common case ~0.2 us of the stacked check's 4.7)
+        source += [
+            "def match_addresses(env, args):", *head, f"        if not {guard}:",
+            "            return False",
+            f"        return (({' | '.join(f'ADDRESS({n})' for n in tensor_names)}) & 15 == 0"
+            f" or ({', '.join(f'ADDRESS({n}) & 15' for n in tensor_names)},) == ALIGNS)",
+            *tail]
     exec("\n".join(source), consts)  # noqa: S102 - built from positions only
-    return consts["match"], consts["match16"]  # type: ignore[return-value]
+    match = consts["match"]
+    return match, consts.get("match_addresses", match)  # type: ignore[return-value]
 
 
 def _picker(tensors: list[int], sequences: list[int]) -> Callable[[tuple], list]:
@@ -427,7 +424,7 @@ def cute_op(
             args = positional(args, kwargs)
             env = read_env()
             for entry in recent_checked:
-                if entry.match16(env, args) or entry.matches_misaligned(env, args):
+                if entry.match_addresses(env, args):
                     return
             sig = _signature(env, args)
             try:

@@ -74,6 +74,26 @@ def test_a_recent_layout_is_matched_without_the_signature(name, monkeypatch):
     assert _message(op.check, *other) is not None and built == [1]
 
 
+def test_check_matches_a_recent_layout_whose_addresses_are_not_all_16_aligned(monkeypatch):
+    """An index tensor 8 bytes past a 16-byte boundary is valid (int64 asks for 8): check
+    matches such a layout again without the signature when the addresses are the layout's
+    modulo 16 or all 16-byte aligned, and takes the signature path for any other pattern."""
+    op = cute_kernels.kv_rope_insert
+    op.forget_layouts()
+    args = list(CASES["kv_rope_insert"]())
+    odd = [*args[:3], _offset(args[3]), *args[4:]]  # positions, int64
+    assert odd[3].data_ptr() % 16 == 8
+    assert op.check(*odd) is None
+    built = []
+    signature = ops._signature
+    monkeypatch.setattr(ops, "_signature", lambda *a: built.append(1) or signature(*a))
+    assert op.check(*[*odd[:3], _offset(args[3]), *odd[4:]]) is None  # the same pattern
+    assert op.check(*args) is None  # all aligned
+    assert built == []
+    other = [*args[:2], _offset(args[2]), *args[3:]]  # slot_mapping 8 bytes off instead
+    assert op.check(*other) is None and built == [1]
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_sparse_tensor_is_rejected_by_name(name):
     """A sparse tensor has neither strides nor a data pointer, so no signature: the check and
