@@ -27,7 +27,7 @@ numbers (what the kernels hard-code) and, for a drafter, the Qwen3 configs'::
 - ``drafter`` (:class:`Drafter`, ``stacked_kv_proj``): a DSpark/DFlash drafter's stacked K/V
   projection, one case per call form (``commit_lens``: false = ``cache_loc``, true =
   ``cache_loc_2d`` with ``commit_lens``; both by default). ``hidden_size``,
-  ``num_hidden_layers``, ``num_key_value_heads`` (the total: a TP rank holds
+  ``num_hidden_layers`` (at most 4096), ``num_key_value_heads`` (the total: a TP rank holds
   ``max(1, heads // tp)``), ``head_dim``, ``rope_dim`` (head_dim), ``attention_bias`` (false),
   ``dtype``, ``weight_dtype``, ``kv_cache_dtype`` (bfloat16), ``norm_dtype`` (float32),
   ``rms_norm_eps`` (1e-6).
@@ -40,7 +40,8 @@ numbers (what the kernels hard-code) and, for a drafter, the Qwen3 configs'::
 and runs each op's own validation on them (``op.validate``, what every call runs), so a plan and
 the calls cannot disagree: each case is supported with its compile keys, or rejected with the
 exact :class:`~cute_kernels.LayoutError` a call would raise. A description that cannot be
-planned (unknown preset or field, wrong type) raises :class:`DeploymentError` naming the field.
+planned (unknown preset or field, wrong type, a file that is not UTF-8 JSON, sizes no tensor can
+have) raises :class:`DeploymentError` naming the field (or the section, or the file).
 """
 
 from __future__ import annotations
@@ -103,6 +104,17 @@ def _positive_int(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise DeploymentError("", f"expected a positive integer, got {describe(value)}")
     return value
+
+
+#: The most layers a drafter description may have: plan() builds two meta tensors a layer
+#: (the stacked op itself takes at most STACKED_MAX_LAYERS; a larger count is a rejected case).
+MAX_DESCRIBED_LAYERS = 4096
+
+
+def _layer_count(value: object) -> int:
+    if _positive_int(value) > MAX_DESCRIBED_LAYERS:
+        raise DeploymentError("", f"expected at most {MAX_DESCRIBED_LAYERS} layers, got {value}")
+    return value  # type: ignore[return-value]
 
 
 def _number(value: object) -> float:
@@ -280,7 +292,7 @@ class Drafter(_Section):
     totals over the TP group; names follow the Hugging Face config."""
 
     hidden_size: int = _field(_positive_int)
-    num_hidden_layers: int = _field(_positive_int)
+    num_hidden_layers: int = _field(_layer_count)
     num_key_value_heads: int = _field(_positive_int)
     head_dim: int = _field(_positive_int)
     rope_dim: int | None = _field(_optional(_positive_int), None)  # None = head_dim (full)
@@ -338,8 +350,10 @@ def load_deployment(source: Deployment | Mapping | str | os.PathLike) -> Deploym
         raise DeploymentError("", f"{str(source)!r} is neither a preset ({', '.join(PRESETS)}) "
                                   "nor a JSON file")
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:  # unreadable (permissions, a file gone since is_file)
+        raise DeploymentError("", f"{path} cannot be read: {e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise DeploymentError("", f"{path} is not valid JSON: {e}") from None
     return Deployment.from_json(data)
 
@@ -465,10 +479,19 @@ def _arch_env(arch: str) -> Iterator[None]:
 
 def _meta(shape: Sequence[int], dtype: str | torch.dtype,
           strides: Sequence[int] | None = None) -> torch.Tensor:
+    """A meta tensor of the description's sizes; a DeploymentError (its section named by the
+    caller) when no tensor can have them (a size or the byte count past 64 bits)."""
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    if strides is None:
-        return torch.empty(tuple(shape), dtype=dtype, device="meta")
-    return torch.empty_strided(tuple(shape), tuple(strides), dtype=dtype, device="meta")
+    try:
+        if strides is None:
+            return torch.empty(tuple(shape), dtype=dtype, device="meta")
+        return torch.empty_strided(tuple(shape), tuple(strides), dtype=dtype, device="meta")
+    except (RuntimeError, TypeError, OverflowError) as err:
+        layout = f"shape {tuple(shape)}" + ("" if strides is None else
+                                             f" and strides {tuple(strides)}")
+        reason = str(err).splitlines()[0]
+        raise DeploymentError("", f"sizes no {dtype} tensor can have: {layout} "
+                                  f"({reason})") from None
 
 
 def _index(dtype: torch.dtype = torch.int64, length: int = TOKENS) -> torch.Tensor:
@@ -594,13 +617,19 @@ def plan(deployment: Deployment | Mapping | str | os.PathLike, *, arch: str | No
         dep = dataclasses.replace(dep, tp=tp)
     target = arch or dep.arch or default_arch()
     cases: list[Case] = []
+    sections: list[tuple[str, Callable[[], list[Case]]]] = []
+    if dep.kv_insert is not None:
+        sections.append(("kv_insert", lambda: _kv_insert_cases(dep.kv_insert, target)))
+    sections += [(f"compressors[{i}]", lambda c=c: _compressor_cases(c, target))
+                 for i, c in enumerate(dep.compressors)]
+    if dep.drafter is not None:
+        sections.append(("drafter", lambda: _drafter_cases(dep.drafter, dep.tp, target)))
     with _arch_env(target):
-        if dep.kv_insert is not None:
-            cases += _kv_insert_cases(dep.kv_insert, target)
-        for compressor in dep.compressors:
-            cases += _compressor_cases(compressor, target)
-        if dep.drafter is not None:
-            cases += _drafter_cases(dep.drafter, dep.tp, target)
+        for section, section_cases in sections:
+            try:
+                cases += section_cases()
+            except DeploymentError as err:
+                raise err.under(section) from None
     return Plan(dep, target, tuple(cases))
 
 

@@ -301,6 +301,52 @@ def test_unknown_preset_and_malformed_json(tmp_path):
     bad.write_text('{"name": "x",')
     with pytest.raises(DeploymentError, match="bad.json is not valid JSON"):
         load_deployment(str(bad))
+    bad.write_bytes(b'\xff\xfe{"name": "x"}')  # UTF-16 bytes: not UTF-8
+    with pytest.raises(DeploymentError, match="bad.json is not valid JSON: 'utf-8' codec"):
+        load_deployment(str(bad))
+    bad.write_text('{"a": ' * 100_000)  # deeper than the JSON parser recurses
+    with pytest.raises(DeploymentError, match="bad.json is not valid JSON: maximum recursion"):
+        load_deployment(str(bad))
+
+
+def test_an_unreadable_description_names_the_file(tmp_path, monkeypatch):
+    path = tmp_path / "d.json"
+    path.write_text("{}")
+
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(type(path), "read_text", refuse)  # root reads every file
+    with pytest.raises(DeploymentError, match=r"d\.json cannot be read: .*Permission denied"):
+        load_deployment(str(path))
+
+
+@pytest.mark.parametrize(("data", "section"), [
+    ({"drafter": {"hidden_size": 2 ** 63, "num_hidden_layers": 5, "num_key_value_heads": 8,
+                  "head_dim": 128}}, "drafter"),
+    ({"compressors": [{"caches": [{"dtype": "uint8", "block_size": 2}]},
+                      {"caches": [{"dtype": "uint8", "block_size": 2 ** 62}]}]},
+     "compressors[1]"),
+    ({"kv_insert": {"caches": [{"dtype": "bfloat16", "block_size": 64}], "head_dim": 2 ** 62}},
+     "kv_insert"),
+])
+def test_sizes_no_tensor_can_have_name_the_section(data, section):
+    """A size (or the bytes it makes) past 64 bits: no meta tensor can be built, so the plan
+    says which section describes it instead of torch's TypeError or RuntimeError."""
+    with pytest.raises(DeploymentError) as raised:
+        plan({"name": "x", **data}, arch="sm_90a")
+    assert raised.value.field == section
+    assert raised.value.problem.startswith("sizes no torch."), raised.value.problem
+
+
+def test_a_layer_count_plan_cannot_build_is_a_description_error():
+    """Two meta tensors a layer: a count past MAX_DESCRIBED_LAYERS is refused when parsed (a
+    count the op rejects below it is a rejected case, as the op says it)."""
+    fields = {"hidden_size": 4096, "num_key_value_heads": 8, "head_dim": 128}
+    with pytest.raises(DeploymentError, match=r"^num_hidden_layers: expected at most 4096"):
+        Drafter(num_hidden_layers=4097, **fields)
+    errors = _errors(plan(_drafter(num_hidden_layers=4096), arch="sm_90a"), "stacked_kv_proj")
+    assert errors == ["k_caches: expected at most 16 layers, got 4096"] * 2
 
 
 # -- the JSON form --------------------------------------------------------------------------------
