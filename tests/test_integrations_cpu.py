@@ -327,12 +327,32 @@ def test_sglang_missing_attribute_is_named():
         sglang.stacked_ctx_kv_params(model)
 
 
+@pytest.mark.parametrize("value", [None, "8", 2.0, 0, True, [1]])
+@pytest.mark.parametrize("attr", ["q_size", "kv_size"])
+def test_sglang_sizes_of_the_wrong_type_are_named(attr, value):
+    model = drafter(stacked_case(9))
+    setattr(model.layers[1].self_attn, attr, value)
+    with pytest.raises(LayoutError, match=rf"model\.layers\[1\]\.self_attn\.{attr}: expected a "
+                                          "positive int"):
+        sglang.stacked_ctx_kv_params(model)
+
+
+@pytest.mark.parametrize("value", [None, 3, torch.zeros(())])
+def test_sglang_layers_that_are_not_a_sequence_are_named(value):
+    model = drafter(stacked_case(9))
+    del model.layers
+    model.layers = value
+    with pytest.raises(LayoutError, match=r"^model\.layers: expected a sequence of draft layers"):
+        sglang.stacked_ctx_kv_params(model)
+
+
 def test_sglang_rope_layouts_neither_path_serves_raise():
     case = stacked_case(9)
     model = drafter(case)
-    model.layers[0].self_attn.rotary_emb.is_neox_style = False
-    with pytest.raises(LayoutError, match=r"rotary_emb\.is_neox_style: expected True"):
-        sglang.stacked_ctx_kv_params(model)
+    for style in (False, "gptj", 0):  # only True (or no attribute) is NeoX
+        model.layers[0].self_attn.rotary_emb.is_neox_style = style
+        with pytest.raises(LayoutError, match=r"rotary_emb\.is_neox_style: expected True"):
+            sglang.stacked_ctx_kv_params(model)
     partial = drafter(case, tables=[case.cos_sin_cache[:, :64]] * case.num_layers)
     with pytest.raises(LayoutError, match=r"cos_sin_cache: expected a \[max_pos, D = 128\]"):
         sglang.write_target_hidden_kv(partial, *call_args(case), force_fallback=True)

@@ -39,6 +39,7 @@ from ..validation import (
     describe,
     expect_base_aligned,
     expect_dtype,
+    expect_positive_int,
     expect_tensor,
     fail,
 )
@@ -101,12 +102,17 @@ def _why_not_sliceable(qkv: object, weight: object, q_size: int, kv_size: int,
 def _read_layers(model: nn.Module) -> list[_Layer]:
     """Every draft layer's attributes; a missing one raises LayoutError naming it."""
     out = []
-    for i, layer in enumerate(require_attr(model, "layers", "model")):
+    layers = require_attr(model, "layers", "model")
+    try:
+        layers = list(layers)
+    except TypeError:
+        fail("model.layers", "a sequence of draft layers", describe(layers))
+    for i, layer in enumerate(layers):
         path = f"model.layers[{i}].self_attn"
         attn = require_attr(layer, "self_attn", f"model.layers[{i}]")
         qkv = require_attr(attn, "qkv_proj", path)
-        q_size = require_attr(attn, "q_size", path)
-        kv_size = require_attr(attn, "kv_size", path)
+        q_size = expect_positive_int(require_attr(attn, "q_size", path), f"{path}.q_size")
+        kv_size = expect_positive_int(require_attr(attn, "kv_size", path), f"{path}.kv_size")
         k_norm = require_attr(attn, "k_norm", path)
         norm_weight = expect_tensor(require_attr(k_norm, "weight", f"{path}.k_norm"),
                                     f"{path}.k_norm.weight")
@@ -121,8 +127,9 @@ def _read_layers(model: nn.Module) -> list[_Layer]:
         rotary = require_attr(attn, "rotary_emb", path)
         # Both paths (kernel and fallback) rotate NeoX halves over the whole head: other RoPE
         # layouts are not a fallback case but a drafter this adapter does not serve.
-        if not getattr(rotary, "is_neox_style", True):
-            fail(f"{path}.rotary_emb.is_neox_style", "True (NeoX RoPE)", False)
+        neox = getattr(rotary, "is_neox_style", True)
+        if neox is not True:
+            fail(f"{path}.rotary_emb.is_neox_style", "True (NeoX RoPE)", describe(neox))
         table = expect_tensor(require_attr(rotary, "cos_sin_cache", f"{path}.rotary_emb"),
                               f"{path}.rotary_emb.cos_sin_cache")
         if table.dim() != 2 or table.shape[1] != head_dim:
