@@ -34,9 +34,9 @@ Before the signature, a call is matched against the few layouts the op saw last
 device, sizes, strides, plus requires_grad and dispatch keys, which only make it stricter),
 the other arguments compared by type and value, and the addresses' alignment, in one
 straight-line function generated for the layout when it is remembered. The guard reads
-every tensor's sizes and strides before it compares anything, and a nested tensor's throw a C++
-error that it does not catch (the process aborts), so each tensor's ``is_nested`` is tested
-first: a nested tensor misses, and the validation rejects it (~0.06 us a tensor on the
+every tensor's sizes and strides before it compares anything, and those of a nested tensor
+throw a C++ error that it does not catch (the process aborts), so each tensor's ``is_nested``
+is tested first: a nested tensor misses, and the validation rejects it (~0.06 us a tensor on the
 development CPU: +1.0 us for the TP-1 stacked call's 16, 2026-12-06). A serving step
 calls each op with one layout per layer, so this is the path of nearly every call; anything
 it does not match goes the signature way, which decides as before. A call of the op (not
