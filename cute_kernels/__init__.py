@@ -20,6 +20,8 @@ Public API::
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from . import reference
 from .arch import SUPPORTED_ARCHS, check_arch
 from .compile_cache import (
@@ -33,7 +35,7 @@ from .compress_c128 import check_compress_c128, compress_c128
 from .deployment import PRESETS, Deployment, DeploymentError, Plan, build, default_arch, plan
 from .kv_rope_insert import check_kv_rope_insert, kv_rope_insert
 from .stacked_kv_proj import check_stacked_kv_proj, stacked_kv_proj
-from .validation import LayoutError
+from .validation import LayoutError, describe, fail
 
 __version__ = "0.1.0"
 
@@ -49,12 +51,20 @@ def precompile(
     ``arch`` (default: ``CUTE_KERNELS_ARCH`` or the current CUDA device). ``kernels`` limits
     either to the named families; ``strict`` turns strict mode on afterwards (any later compile
     raises :class:`StrictModeError`). A progress bar shows on a terminal."""
+    known = families()
+    if kernels is not None:
+        names = () if isinstance(kernels, str) or not isinstance(kernels, Iterable) else (
+            tuple(kernels))
+        if not names or not all(isinstance(n, str) and n in known for n in names):
+            # a misspelt name would build nothing, and strict mode would then fail at run time
+            fail("kernels", f"a list of kernel family names ({', '.join(known)}) or None",
+                 describe(kernels))
+        kernels = list(names)
     if isinstance(arch, Plan):
         keys = [(op, key) for op, op_keys in arch.keys().items() for key in op_keys]
     else:
         target = default_arch() if arch is None else check_arch(arch)
-        keys = [(name, key) for name, cache in families().items()
-                for key in cache.variants(target)]
+        keys = [(name, key) for name, cache in known.items() for key in cache.variants(target)]
     build([(name, key) for name, key in keys if kernels is None or name in kernels])
     if strict:
         set_strict(True)

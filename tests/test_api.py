@@ -56,3 +56,19 @@ def test_precompile_then_strict(monkeypatch, tmp_path):
 def test_precompile_rejects_unknown_arch():
     with pytest.raises(cute_kernels.LayoutError, match="arch"):
         cute_kernels.precompile(arch="sm_75")
+
+
+@pytest.mark.parametrize("kernels", [["kv_rope_insrt"], "kv_rope_insert", 5,
+                                     ["kv_rope_insert", 3], [["kv_rope_insert"]], []])
+def test_precompile_rejects_kernels_that_name_no_family(kernels, monkeypatch):
+    """A misspelt or non-list ``kernels`` built nothing (strict mode then failed at the first
+    call), or raised a TypeError: a LayoutError naming the argument, before anything is built."""
+    built = []
+    monkeypatch.setattr(cute_kernels, "build", built.append)
+    with pytest.raises(cute_kernels.LayoutError,
+                       match=r"^kernels: expected a list of kernel family names \(compress_c128, "
+                             r"kv_rope_insert, stacked_kv_proj\) or None, got "):
+        cute_kernels.precompile(arch="sm_90a", kernels=kernels)
+    assert built == []
+    cute_kernels.precompile(arch="sm_90a", kernels=("kv_rope_insert",))  # any sequence
+    assert {family for family, _ in built[0]} == {"kv_rope_insert"}
