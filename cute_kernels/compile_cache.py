@@ -46,6 +46,8 @@ from collections.abc import Callable, Hashable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from .validation import expect_bool
+
 CACHE_DIR_ENV = "CUTE_KERNELS_CACHE_DIR"
 DISK_CACHE_ENV = "CUTE_KERNELS_DISK_CACHE"
 LOCK_TIMEOUT_ENV = "CUTE_KERNELS_CACHE_LOCK_TIMEOUT"
@@ -109,7 +111,7 @@ def set_strict(strict: bool = True) -> None:
     a layout they did not warm up fails loudly instead of stalling a step for seconds.
     """
     global _strict
-    _strict = strict
+    _strict = expect_bool(strict, "strict")  # not truthiness: set_strict("false") stays off
 
 
 def cache_stats() -> dict[str, float]:

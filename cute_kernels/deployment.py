@@ -345,6 +345,9 @@ def load_deployment(source: Deployment | Mapping | str | os.PathLike) -> Deploym
         return Deployment.from_json(source)
     if isinstance(source, str) and source in PRESETS:
         return PRESETS[source]
+    if not isinstance(source, (str, os.PathLike)):
+        raise DeploymentError("", "expected a Deployment, a parsed JSON object, a preset name or "
+                                  f"the path of a JSON file, got {describe(source)}")
     path = Path(source)
     if not path.is_file():
         raise DeploymentError("", f"{str(source)!r} is neither a preset ({', '.join(PRESETS)}) "
@@ -616,6 +619,9 @@ def plan(deployment: Deployment | Mapping | str | os.PathLike, *, arch: str | No
     if tp is not None:
         dep = dataclasses.replace(dep, tp=tp)
     target = arch or dep.arch or default_arch()
+    if not isinstance(target, str):
+        raise DeploymentError("arch", f"expected an arch name such as sm_90a, got "
+                                      f"{describe(target)}")
     cases: list[Case] = []
     sections: list[tuple[str, Callable[[], list[Case]]]] = []
     if dep.kv_insert is not None:

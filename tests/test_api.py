@@ -72,3 +72,11 @@ def test_precompile_rejects_kernels_that_name_no_family(kernels, monkeypatch):
     assert built == []
     cute_kernels.precompile(arch="sm_90a", kernels=("kv_rope_insert",))  # any sequence
     assert {family for family, _ in built[0]} == {"kv_rope_insert"}
+
+
+@pytest.mark.parametrize("value", ["false", "yes", None, 2])
+def test_set_strict_takes_a_bool_only(value):
+    """Truthiness would turn strict mode on for set_strict("false")."""
+    with pytest.raises(cute_kernels.LayoutError, match=r"^strict: expected a bool, got "):
+        cute_kernels.set_strict(value)
+    assert compile_cache._strict is False

@@ -309,6 +309,19 @@ def test_unknown_preset_and_malformed_json(tmp_path):
         load_deployment(str(bad))
 
 
+@pytest.mark.parametrize("source", [5, None, b"qwen3-8b-dspark", ["qwen3-8b-dspark"]])
+def test_a_source_of_another_type_is_a_description_error(source):
+    with pytest.raises(DeploymentError, match=r"^expected a Deployment, a parsed JSON object, a "
+                                              "preset name or the path of a JSON file, got "):
+        plan(source, arch="sm_90a")
+
+
+def test_an_arch_that_is_not_a_name_is_a_description_error():
+    with pytest.raises(DeploymentError, match=r"^arch: expected an arch name such as sm_90a, "
+                                              "got 90"):
+        plan("qwen3-8b-dspark", arch=90)
+
+
 def test_an_unreadable_description_names_the_file(tmp_path, monkeypatch):
     path = tmp_path / "d.json"
     path.write_text("{}")
