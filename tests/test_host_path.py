@@ -94,6 +94,38 @@ def test_check_matches_a_recent_layout_whose_addresses_are_not_all_16_aligned(mo
     assert op.check(*other) is None and built == [1]
 
 
+def test_one_tensor_in_two_places_is_matched_as_a_recent_layout(monkeypatch):
+    """Dynamo's guard answers False for a tensor passed twice; the recent-layout test guards
+    each object once and asks the other place to hold the same object, so such a layout is
+    remembered once (it was rebuilt on every call, ~300 us each). Equal but distinct tensors
+    there, or another tensor, are decided as a fresh validation decides them."""
+    op = cute_kernels.kv_rope_insert
+    args = list(CASES["kv_rope_insert"]())
+    shared = [*args[:2], args[3], *args[3:]]  # slot_mapping is positions (same length, int64)
+    built = []
+    of = ops.RecentLayout.of
+    monkeypatch.setattr(ops.RecentLayout, "of",
+                        classmethod(lambda cls, *a: built.append(1) or of(*a)))
+    with cpu_launches() as launches:
+        op.forget_layouts()
+        for _ in range(3):
+            op(*shared)
+            assert op.check(*shared) is None
+        assert len(built) == 2 and len(launches) == 3  # one entry for the op, one for check
+        twin = [*shared[:2], shared[3].clone(), *shared[3:]]  # equal, not the same object
+        assert _message(op, *twin) is None and _message(op.check, *twin) is None
+        other = [*shared[:2], shared[3].to(torch.int32), *shared[3:]]
+        assert _message(op, *other) == _fresh(op, other) is not None
+    stacked = cute_kernels.stacked_kv_proj
+    args = list(stacked_kv_proj_case(8, hidden=128).args())
+    shared = [*args[:9], [args[8][0], *args[9][1:]], *args[10:]]  # v_caches[0] is k_caches[0]
+    stacked.forget_layouts()
+    del built[:]
+    for _ in range(3):
+        assert stacked.check(*shared) is None
+    assert len(built) == 1
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_sparse_tensor_is_rejected_by_name(name):
     """A sparse tensor has neither strides nor a data pointer, so no signature: the check and
