@@ -55,6 +55,7 @@ import inspect
 import operator
 import os
 from collections.abc import Callable, Sequence
+from types import CodeType
 from typing import Any
 
 import torch
@@ -254,9 +255,18 @@ def _matcher(count: int, env: object, tensors: list[int], sequences: list[tuple]
             f"        return (({' | '.join(f'ADDRESS({n})' for n in tensor_names)}) & 15 == 0"
             f" or ({', '.join(f'ADDRESS({n}) & 15' for n in tensor_names)},) == ALIGNS)",
             *tail]
-    exec("\n".join(source), consts)  # noqa: S102 - built from positions only
+    exec(_compiled("\n".join(source)), consts)  # noqa: S102 - built from positions only
     match = consts["match"]
     return match, consts.get("match_addresses", match)  # type: ignore[return-value]
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(source: str) -> CodeType:
+    """The code of a layout's tests, compiled once per source. The source depends only on
+    where the tensors, sequences and other arguments sit (their values are the functions'
+    globals), so every token count of one call form shares it: a new token count costs a
+    guard and ~15 us here instead of a ~300 us compile (development Xeon)."""
+    return compile(source, "<cute_kernels recent layout>", "exec")
 
 
 def _picker(tensors: list[int], sequences: list[int]) -> Callable[[tuple], list]:
