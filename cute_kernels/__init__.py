@@ -53,13 +53,13 @@ def precompile(
     raises :class:`StrictModeError`). A progress bar shows on a terminal."""
     known = families()
     if kernels is not None:
-        names = () if isinstance(kernels, str) or not isinstance(kernels, Iterable) else (
-            tuple(kernels))
+        # a misspelt name would build nothing, and strict mode would then fail at run time
+        names = [] if isinstance(kernels, str) or not isinstance(kernels, Iterable) else [
+            *kernels]
         if not names or not all(isinstance(n, str) and n in known for n in names):
-            # a misspelt name would build nothing, and strict mode would then fail at run time
             fail("kernels", f"a list of kernel family names ({', '.join(known)}) or None",
                  describe(kernels))
-        kernels = list(names)
+        kernels = names
     if isinstance(arch, Plan):
         keys = [(op, key) for op, op_keys in arch.keys().items() for key in op_keys]
     else:

@@ -623,20 +623,26 @@ def plan(deployment: Deployment | Mapping | str | os.PathLike, *, arch: str | No
         raise DeploymentError("arch", f"expected an arch name such as sm_90a, got "
                                       f"{describe(target)}")
     cases: list[Case] = []
-    sections: list[tuple[str, Callable[[], list[Case]]]] = []
-    if dep.kv_insert is not None:
-        sections.append(("kv_insert", lambda: _kv_insert_cases(dep.kv_insert, target)))
-    sections += [(f"compressors[{i}]", lambda c=c: _compressor_cases(c, target))
-                 for i, c in enumerate(dep.compressors)]
-    if dep.drafter is not None:
-        sections.append(("drafter", lambda: _drafter_cases(dep.drafter, dep.tp, target)))
     with _arch_env(target):
-        for section, section_cases in sections:
-            try:
-                cases += section_cases()
-            except DeploymentError as err:
-                raise err.under(section) from None
+        if dep.kv_insert is not None:
+            with _section_named("kv_insert"):
+                cases += _kv_insert_cases(dep.kv_insert, target)
+        for i, compressor in enumerate(dep.compressors):
+            with _section_named(f"compressors[{i}]"):
+                cases += _compressor_cases(compressor, target)
+        if dep.drafter is not None:
+            with _section_named("drafter"):
+                cases += _drafter_cases(dep.drafter, dep.tp, target)
     return Plan(dep, target, tuple(cases))
+
+
+@contextlib.contextmanager
+def _section_named(section: str) -> Iterator[None]:
+    """A DeploymentError raised while a section's tensors are built, named from ``section``."""
+    try:
+        yield
+    except DeploymentError as err:
+        raise err.under(section) from None
 
 
 def build(keys: Sequence[tuple[str, CompileKey]], progress: bool | None = None) -> None:
