@@ -193,6 +193,47 @@ def test_a_nested_tensor_is_rejected_by_name(name):
             assert launches == [], place
 
 
+class _Subclass(torch.Tensor):
+    pass
+
+
+def _odd_values(value: object) -> list:
+    """Values of other types, dtypes, layouts and sizes for the place of ``value``."""
+    odd = [None, 0, -1, 1.5, float("nan"), 2**70, "x", b"x", True, object(), [], (), {}]
+    if isinstance(value, torch.Tensor):
+        odd += [value.as_subclass(_Subclass), value.to("meta"), value.unsqueeze(0),
+                value[..., :0], torch.tensor(1.0), torch.empty(0),
+                value.to(torch.complex64), value.to_sparse(), value.float().requires_grad_()]
+        if value.dim() == 2:
+            odd.append(value.t())
+    elif isinstance(value, (list, tuple)):
+        odd += [tuple(value), value[:-1], [*value, value[0]], [None] * len(value),
+                [1] * len(value), [t.to("meta") for t in value], [t.float() for t in value]]
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        odd += [torch.tensor(value), -value, float("inf"), 10**30]
+    return odd
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_any_value_in_any_place_is_decided_as_a_fresh_validation_decides_it(name):
+    """Every argument replaced by each of ~25 values of other types, dtypes, layouts and sizes,
+    after the layout was accepted by the op and by check (so the recent-layout test and the
+    signature see the call first): the op and check each raise exactly what a fresh
+    validation raises — a LayoutError, never another exception — or accept it as it does."""
+    op = getattr(cute_kernels, name)
+    args = CASES[name]()
+    with cpu_launches():
+        for i, value in enumerate(args):
+            for odd in _odd_values(value):
+                bad = [*args[:i], odd, *args[i + 1:]]
+                want = _fresh(op, bad)
+                op(*args)
+                op.check(*args)
+                assert _message(op.check, *bad) == want, (i, repr(odd)[:60])
+                if want is not None:  # (an accepted call would launch, which tells nothing)
+                    assert _message(op, *bad) == want, (i, repr(odd)[:60])
+
+
 def test_a_sparse_item_of_a_sequence_is_rejected_by_name():
     stacked = cute_kernels.stacked_kv_proj
     stacked.forget_layouts()
