@@ -5,6 +5,7 @@ tensors, one test each, LayoutError naming the argument)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 from cute_kernels import LayoutError, check_stacked_kv_proj, stacked_kv_proj
 from cute_kernels import reference as ref
 from cute_kernels.stacked_kv_proj.plan import (
+    CLUSTER_MAX_SPLITS,
     PERSISTENT_MAX_HIDDEN,
     TILES,
     StackedLayout,
@@ -20,7 +22,10 @@ from cute_kernels.stacked_kv_proj.plan import (
     choose_plan,
     choose_splits,
     choose_tile,
+    formula_residency,
     schedule,
+    swap_ring,
+    tile_n,
     variants_for,
 )
 from cute_kernels.testing import POISON, ulp_distance
@@ -879,6 +884,32 @@ def test_variants_of_a_layout_leave_out_what_it_cannot_build():
     wide = {t for t in TILES if TILES[t].tokens_n and TILES[t].wide}
     assert wide and wide <= {v.tile for v in variants_for("sm_90a", 128, 256)}
     assert not wide & {v.tile for v in variants_for("sm_90a", 128, 128)}
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_every_layout_plans_a_variant_its_precompile_builds(arch):
+    """The issue's layout grid (H 2048..8192, L 1..6, D 64 / 128 / 256, n_kv x D 128..1024)
+    at token counts from 1 to 8192, on GPUs of 78, 132 and 148 SMs: every plan is a variant
+    that precompiling the layout builds (so strict mode never meets a compile at serving
+    time), with a grid, at most one split per k-tile, and a cluster hand-over only where all
+    its clusters are resident at once."""
+    tokens = (1, 7, 16, 17, 32, 33, 48, 64, 65, 128, 129, 255, 256, 257, 512, 1000, 1024, 4096,
+              8192)
+    for hidden, layers, head_dim, kv in itertools.product(
+            (2048, 2560, 4096, 5120, 8192), range(1, 7), (64, 128, 256), (128, 256, 512, 1024)):
+        if kv % head_dim:
+            continue
+        layout = StackedLayout(layers, kv // head_dim, head_dim, False, False, "bfloat16", arch)
+        built = variants_for(arch, head_dim, kv)
+        for sms, t in itertools.product((78, 132, 148), tokens):
+            plan = choose_plan(layout, t, hidden, sms)
+            where = (hidden, layers, head_dim, kv, sms, t, plan)
+            assert plan.variant in built, where
+            assert plan.grid >= 1 and 1 <= plan.splits <= hidden // 64, where
+            if plan.variant.cluster and plan.variant.impl == "mma":
+                per_sm = swap_ring(TILES[plan.variant.tile], tile_n(head_dim, kv))[1]
+                assert plan.splits <= CLUSTER_MAX_SPLITS, where
+                assert plan.grid <= formula_residency(sms)(plan.splits, per_sm), where
 
 
 def test_reference_out_of_range_indices_write_nothing():
