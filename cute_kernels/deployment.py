@@ -112,9 +112,10 @@ MAX_DESCRIBED_LAYERS = 4096
 
 
 def _layer_count(value: object) -> int:
-    if _positive_int(value) > MAX_DESCRIBED_LAYERS:
-        raise DeploymentError("", f"expected at most {MAX_DESCRIBED_LAYERS} layers, got {value}")
-    return value  # type: ignore[return-value]
+    count = _positive_int(value)
+    if count > MAX_DESCRIBED_LAYERS:
+        raise DeploymentError("", f"expected at most {MAX_DESCRIBED_LAYERS} layers, got {count}")
+    return count
 
 
 def _number(value: object) -> float:

@@ -12,6 +12,7 @@ import torch
 
 from cute_kernels import LayoutError, check_stacked_kv_proj, stacked_kv_proj
 from cute_kernels import reference as ref
+from cute_kernels.layouts import STACKED_K_TILE
 from cute_kernels.stacked_kv_proj.plan import (
     CLUSTER_MAX_SPLITS,
     PERSISTENT_MAX_HIDDEN,
@@ -905,7 +906,7 @@ def test_every_layout_plans_a_variant_its_precompile_builds(arch):
             plan = choose_plan(layout, t, hidden, sms)
             where = (hidden, layers, head_dim, kv, sms, t, plan)
             assert plan.variant in built, where
-            assert plan.grid >= 1 and 1 <= plan.splits <= hidden // 64, where
+            assert plan.grid >= 1 and 1 <= plan.splits <= hidden // STACKED_K_TILE, where
             if plan.variant.cluster and plan.variant.impl == "mma":
                 per_sm = swap_ring(TILES[plan.variant.tile], tile_n(head_dim, kv))[1]
                 assert plan.splits <= CLUSTER_MAX_SPLITS, where
