@@ -892,8 +892,9 @@ def test_every_layout_plans_a_variant_its_precompile_builds(arch):
     """The issue's layout grid (H 2048..8192, L 1..6, D 64 / 128 / 256, n_kv x D 128..1024)
     at token counts from 1 to 8192, on GPUs of 78, 132 and 148 SMs: every plan is a variant
     that precompiling the layout builds (so strict mode never meets a compile at serving
-    time), with a grid, at most one split per k-tile, and a cluster hand-over only where all
-    its clusters are resident at once."""
+    time), with a grid, at most one split per k-tile, and an mma-core cluster hand-over only
+    where all its clusters are resident at once (the formula's bound; the wgmma core's split
+    is lowered by the same residency inside ``decode_swapped_plan`` and not re-checked here)."""
     tokens = (1, 7, 16, 17, 32, 33, 48, 64, 65, 128, 129, 255, 256, 257, 512, 1000, 1024, 4096,
               8192)
     for hidden, layers, head_dim, kv in itertools.product(
