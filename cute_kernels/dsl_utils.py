@@ -490,15 +490,19 @@ def mbarrier_try_wait_cluster(bar_addr: Int32, phase: Int32) -> Int32:
         write_only_types=[Int32], read_only_args=[bar_addr, phase])
 
 
-def load_peer_v4(smem_addr: Int32, peer_rank: Int32) -> tuple:
+def load_peer_v4(smem_addr: Int32, peer_rank: Int32, wanted: Int32) -> tuple:
     """Four fp32 from the same 16-byte aligned shared-memory offset of CTA ``peer_rank`` of
-    this cluster, one distributed-shared-memory load. Needs a cluster barrier between the
-    peer's writes and this read, and another before the peer exits."""
+    this cluster, one distributed-shared-memory load when ``wanted`` is nonzero, else four
+    zeros and no load (a predicated load: a hand-over that issues its loads for the most
+    ranks a cluster can have moves no bytes for the ranks this one lacks). Needs a cluster
+    barrier between the peer's writes and this read, and another before the peer exits."""
     return cute.arch.inline_ptx(
-        "{ .reg .b32 remote; mapa.shared::cluster.u32 remote, {$r0}, {$r1};"
-        " ld.shared::cluster.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [remote]; }",
+        "{ .reg .b32 remote; .reg .pred wanted; setp.ne.b32 wanted, {$r2}, 0;"
+        " mov.b32 {$w0}, 0; mov.b32 {$w1}, 0; mov.b32 {$w2}, 0; mov.b32 {$w3}, 0;"
+        " mapa.shared::cluster.u32 remote, {$r0}, {$r1};"
+        " @wanted ld.shared::cluster.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [remote]; }",
         write_only_types=[Float32] * 4,
-        read_only_args=[smem_addr, peer_rank],
+        read_only_args=[smem_addr, peer_rank, wanted],
     )
 
 

@@ -86,23 +86,27 @@ class StagedEpilogue:
         outlives its readers.
 
         Epilogue thread ``t`` sums the 16-byte chunks ``t, t + threads, ...`` of the slice:
-        one ``ld.shared::cluster`` per partial, all ``CLUSTER_MAX_SPLITS`` issued before the
-        first add (ranks past ``splits`` repeat the last and are not added), so one DSMEM
-        round trip per chunk."""
+        one ``ld.shared::cluster`` per partial, all issued before the first add, so one DSMEM
+        round trip per chunk. The split is a runtime value, so the loads are unrolled for
+        ``CLUSTER_MAX_SPLITS`` ranks and predicated off past ``splits`` (no bytes move for
+        them, and they are not added). Loading the last rank's chunk in their place, as
+        before, moved up to 4x the partials' bytes through DSMEM (a 2-way split of a 128 x
+        128 tile: its hand-over, this wait included, took ~7 us on an H100; PERF.md)."""
         cute.arch.cluster_arrive()  # release: this CTA's partial is staged
         cute.arch.cluster_wait()  # acquire: every partial of the tile is
         row_lo = rank * rows_valid // splits
         row_hi = (rank + 1) * rows_valid // splits
         vectors = self.bn // 4  # 16-byte chunks per row
         c_base = Int32(sC.iterator.toint())
-        last = splits - 1
+        last = splits - 1  # the rank a predicated-off load names (a valid one)
         for q in cutlass.range(tidx, (row_hi - row_lo) * vectors, self.epilogue_threads,
                                unroll=1):
             row = q // vectors
             at = c_base + ((row_lo + row) * self.c_stride + (q - row * vectors) * 4) * 4
             parts = []
             for p in cutlass.range_constexpr(CLUSTER_MAX_SPLITS):
-                parts.append(du.load_peer_v4(at, cutlass.min(Int32(p), last)))
+                parts.append(du.load_peer_v4(at, cutlass.min(Int32(p), last),
+                                             Int32(Int32(p) < splits)))
             s0, s1, s2, s3 = parts[0]
             for p in cutlass.range_constexpr(1, CLUSTER_MAX_SPLITS):
                 adds = p < splits
