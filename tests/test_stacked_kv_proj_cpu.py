@@ -795,11 +795,15 @@ def test_split_hand_over(monkeypatch):
     residency = {8: 48, 7: 49, 6: 48}.get
     assert choose_plan(layout, 1, 4096, 132, lambda size, per_sm: residency(size, 264)) == (
         StackedPlan(StackedVariant("mma", "swap16", cluster=True), False, 48, 8, 6))
-    # TP 4, T = 32 on the mma core (sm_90a plans sw32 there): 40 tiles, 3 splits: the
+    # TP 4, T = 32 on the mma core (sm_90a plans sw32 there): 40 tiles (2 token tiles), 3
+    # splits on one CTA per SM: the cluster; 2 splits of 2 token tiles (L 2, n_kv 8): the
     # workspace
     tp4 = StackedLayout(5, 2, 128, False, False, "float32", "sm_100a")
     assert choose_plan(tp4, 32, 4096, 132) == StackedPlan(
-        StackedVariant("mma", "swap16"), False, 120, 40, 3)
+        StackedVariant("mma", "swap16", cluster=True), False, 120, 40, 3)
+    two_layers = StackedLayout(2, 8, 128, False, False, "float32", "sm_100a")
+    assert choose_plan(two_layers, 32, 4096, 132) == StackedPlan(
+        StackedVariant("mma", "swap16"), False, 128, 64, 2)
     monkeypatch.setenv("CUTE_KERNELS_STACKED_HANDOVER", "workspace")
     assert choose_plan(layout, 1, 4096, 132) == StackedPlan(
         StackedVariant("mma", "swap16"), False, 72, 8, 9)
