@@ -241,14 +241,10 @@ EVICT_FIRST_WEIGHT_BYTES = 12 << 20
 #: distributed shared memory (the portable cluster size); more go through the workspace.
 CLUSTER_MAX_SPLITS = 8
 #: With more than one token tile, the cluster hand-over is planned only for at least this many
-#: splits on at most one CTA per SM (H200, T = 32: TP 8, 6 splits 12.3 against 13.1 us, D = 256
-#: 8 splits 12.5 against 17.7 for the workspace's 10; TP 8, T = 64, 6 splits on 240 CTAs 17.2
-#: against 14.3). It was 5 while the hand-over loaded all 8 ranks' partials (TP 4 at 3 splits
-#: 16.6 against the workspace's 15.8, one layer at 4 15.1 against 14.4); with only the split's
-#: ranks loaded (H200, 2026-12-07, cold us, workspace -> cluster): H 5120 x 2 x 1 x 256 at
-#: T = 100 / 144 19.7 / 22.8 -> 16.3 / 19.5 (4 / 3 splits), and the mma core forced at T = 24
-#: / 32 on TP 4 (3 splits) 15.2 / 15.3 -> 15.4 / 15.2, one layer (4) 13.8 / 13.9 -> 13.8 /
-#: 13.9. Two splits were not measured again.
+#: splits on at most one CTA per SM (H200, cold us against the workspace: TP 8, T = 32, 6
+#: splits 12.3 against 13.1; H 5120 x 2 x 1 x 256, T = 100 / 144, 16.3 / 19.5 against 19.7 /
+#: 22.8; TP 4 and one layer at 3 / 4 splits a tie; 2 splits not measured since the hand-over
+#: loads only the split's ranks). The spec's "Which hand-over" has every measurement.
 CLUSTER_MIN_SPLITS_MULTI_TILE = 3
 #: SMEM of a swapped tile's ring: two CTAs per SM when the ring still holds this many stages,
 #: else one CTA per SM with twice the budget (D = 256: 256 weight rows per stage).

@@ -98,23 +98,27 @@ class StagedEpilogue:
         row_hi = (rank + 1) * rows_valid // splits
         vectors = self.bn // 4  # 16-byte chunks per row
         c_base = Int32(sC.iterator.toint())
-        last = splits - 1  # the rank a predicated-off load names (a valid one)
+        # Per rank, the same for every chunk: whether it is one of the split's (its load is
+        # issued and its partial added) and the peer its load names (a valid rank even when
+        # the load is predicated off).
+        in_split, peers = [], []
+        for p in cutlass.range_constexpr(CLUSTER_MAX_SPLITS):
+            in_split.append(Int32(p) < splits)
+            peers.append(cutlass.min(Int32(p), splits - 1))
         for q in cutlass.range(tidx, (row_hi - row_lo) * vectors, self.epilogue_threads,
                                unroll=1):
             row = q // vectors
             at = c_base + ((row_lo + row) * self.c_stride + (q - row * vectors) * 4) * 4
             parts = []
             for p in cutlass.range_constexpr(CLUSTER_MAX_SPLITS):
-                parts.append(du.load_peer_v4(at, cutlass.min(Int32(p), last),
-                                             Int32(Int32(p) < splits)))
+                parts.append(du.load_peer_v4(at, peers[p], Int32(in_split[p])))
             s0, s1, s2, s3 = parts[0]
             for p in cutlass.range_constexpr(1, CLUSTER_MAX_SPLITS):
-                adds = p < splits
                 p0, p1, p2, p3 = parts[p]
-                s0 = cutlass.select_(adds, du.add_rn(s0, p0), s0)
-                s1 = cutlass.select_(adds, du.add_rn(s1, p1), s1)
-                s2 = cutlass.select_(adds, du.add_rn(s2, p2), s2)
-                s3 = cutlass.select_(adds, du.add_rn(s3, p3), s3)
+                s0 = cutlass.select_(in_split[p], du.add_rn(s0, p0), s0)
+                s1 = cutlass.select_(in_split[p], du.add_rn(s1, p1), s1)
+                s2 = cutlass.select_(in_split[p], du.add_rn(s2, p2), s2)
+                s3 = cutlass.select_(in_split[p], du.add_rn(s3, p3), s3)
             du.store_shared_v4(at, s0, s1, s2, s3)
         self.sync_epilogue_threads()  # the epilogue reads sC with another mapping
         cute.arch.cluster_arrive()  # this CTA has read its peers' partials
