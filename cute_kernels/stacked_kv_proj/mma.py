@@ -188,6 +188,9 @@ class StackedKvProjMma(StagedEpilogue, StackedKvProjBase):
         # epilogue mapping
         sC = self.staged_tile(sA.iterator)
         self.stage_fragment(tiled_mma, tidx, tCrC, sC, self.swap)
+        if const_expr(self.cluster):
+            if splits > 1:
+                self.arrive_staged()
         _, first_column = self.tile_layer(tile_n)
         self.rope_inputs(mCosSin, tile_m, first_column < self.kv, num_tokens, tidx, rSlot,
                          rPos, rCommitted, rCos, rSin)

@@ -71,6 +71,13 @@ class StagedEpilogue:
                 (self.bn, self.bm), stride=(1, self.c_stride)))
         cute.autovec_copy(frag, tiled_mma.get_slice(thread).partition_C(sC_mma))
 
+    def arrive_staged(self) -> None:
+        """The first cluster barrier of :meth:`reduce_cluster`, arrived as soon as this
+        thread's share of the partial is staged and before :meth:`rope_inputs` requests the
+        cos/sin rows: the arrive's release waits for every earlier memory access of the
+        thread to be performed, those loads' DRAM round trip included."""
+        cute.arch.cluster_arrive()  # release: this thread's share of the partial is staged
+
     @cute.jit
     def reduce_cluster(self, sC: cute.Tensor, rank: Int32, splits: Int32, rows_valid: Int32,
                        tidx: Int32) -> tuple[Int32, Int32]:
@@ -81,9 +88,9 @@ class StagedEpilogue:
         ``sC`` and returns ``(lo, hi)``, the rows it finishes. The slices are disjoint, so no
         CTA writes rows another reads. Every thread of the CTA takes part in both cluster
         barriers (the epilogue's threads here; any others must arrive, wait and arrive
-        too): the first says every partial is staged, the second (arrived here, waited on
-        by the caller before exiting) that this CTA has read its peers', so every partial
-        outlives its readers.
+        too): the first (arrived by :meth:`arrive_staged`, waited on here) says every
+        partial is staged, the second (arrived here, waited on by the caller before
+        exiting) that this CTA has read its peers', so every partial outlives its readers.
 
         Epilogue thread ``t`` sums the 16-byte chunks ``t, t + threads, ...`` of the slice:
         one ``ld.shared::cluster`` per partial, all issued before the first add, so one DSMEM
@@ -92,8 +99,7 @@ class StagedEpilogue:
         them, and they are not added). Loading the last rank's chunk in their place, as
         before, moved up to 4x the partials' bytes through DSMEM (a 2-way split of a 128 x
         128 tile: its hand-over, this wait included, took ~7 us on an H100; PERF.md)."""
-        cute.arch.cluster_arrive()  # release: this CTA's partial is staged
-        cute.arch.cluster_wait()  # acquire: every partial of the tile is
+        cute.arch.cluster_wait()  # acquire: every partial of the tile is staged
         row_lo = rank * rows_valid // splits
         row_hi = (rank + 1) * rows_valid // splits
         vectors = self.bn // 4  # 16-byte chunks per row

@@ -513,8 +513,9 @@ class StackedKvProjWgmma(WgmmaPipeline, StackedKvProjBase):
             rW = cute.make_rmem_tensor((batch_pairs * 4,), self.norm_dtype)  # [g][h][e]
             rCos = cute.make_rmem_tensor((batch_rows * batch_pairs * 2,), Float32)  # [r][g][e]
             rSin = cute.make_rmem_tensor((batch_rows * batch_pairs * 2,), Float32)
-            self.load_norm_inputs(mNormW, mCosSin, layer, positions, col_base, batches[0],
-                                  batch_rows, batch_pairs, rW, rCos, rSin)
+            if const_expr(not self.split_head):  # (a split head's: after its sums are sent)
+                self.load_norm_inputs(mNormW, mCosSin, layer, positions, col_base, batches[0],
+                                      batch_rows, batch_pairs, rW, rCos, rSin)
 
             # R1 for K heads; a V value's R1 is the bf16 rounding of its store.
             for i in cutlass.range_constexpr(self.bn // 2):
@@ -535,7 +536,13 @@ class StackedKvProjWgmma(WgmmaPipeline, StackedKvProjBase):
                     ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=2)  # the whole row
                     rstd.append(ss)
             if const_expr(self.split_head):
-                rstd = self.exchange_sums(rstd, tCcC, exchange, exchanges)
+                # The sums leave first: the arrival's release waits for every earlier load
+                # of the thread, so the norm weights and cos/sin are requested after it and
+                # land while the peer's sums are awaited.
+                self.send_sums(rstd, tCcC, exchange, exchanges)
+                self.load_norm_inputs(mNormW, mCosSin, layer, positions, col_base, batches[0],
+                                      batch_rows, batch_pairs, rW, rCos, rSin)
+                rstd = self.receive_sums(rstd, tCcC, exchange, exchanges)
                 exchanges = exchanges + 1
             rstd = [du.rsqrt_approx(ss * inv_d + eps) for ss in rstd]
             for n, (r0, g0) in enumerate(batches):
@@ -578,27 +585,38 @@ class StackedKvProjWgmma(WgmmaPipeline, StackedKvProjBase):
         first = (tile_n // 2) * self.head_dim if self.split_head else tile_n * self.bn
         return first + col_base + self.group_offset(j)
 
-    @cute.jit
-    def exchange_sums(self, sums: list, tCcC: cute.Tensor, exchange: tuple,
-                      exchanges: Int32) -> list:
-        """Split-head tiles: this thread's rows' sums of squares over the head's full D
-        columns. The quad leader of each row pair writes its two half-head sums into the
-        peer CTA's buffer (parity ``exchanges % 2``) and arrives on the peer's barrier
-        (release, cluster scope); every thread waits on its own barrier (acquire, cluster
-        scope) and adds the peer's halves (IEEE addition commutes: both CTAs get the same
-        bits). A buffer is written again two exchanges later, after the peer has arrived on
-        this CTA's barrier for the exchange between, which it does after reading it."""
+    def exchange_slots(self, tCcC: cute.Tensor, exchange: tuple, exchanges: Int32) -> tuple:
+        """Exchange ``exchanges``'s buffer parity, the addresses of this thread's two rows in
+        it (the same offsets in both CTAs) and its barrier: ``(buf, addrs, bars)``."""
         buf_addr, bars = exchange
         buf = exchanges % 2
-        phase = (exchanges // 2) % 2
+        return buf, [buf_addr + (buf * self.bm + tCcC[2 * r][0]) * 4 for r in range(2)], bars
+
+    @cute.jit
+    def send_sums(self, sums: list, tCcC: cute.Tensor, exchange: tuple,
+                  exchanges: Int32) -> None:
+        """Split-head tiles, the first half of the exchange of the rows' sums of squares
+        over the head's full D columns: the quad leader of each row pair writes its two
+        half-head sums into the peer CTA's buffer (parity ``exchanges % 2``) and arrives on
+        the peer's barrier (release, cluster scope). A buffer is written again two exchanges
+        later, after the peer has arrived on this CTA's barrier for the exchange between,
+        which it does after reading it (:meth:`receive_sums`)."""
+        buf, addrs, bars = self.exchange_slots(tCcC, exchange, exchanges)
         peer = 1 - cute.arch.block_idx_in_cluster()  # the CTA of the other half
-        lane = cute.arch.lane_idx()
-        addrs = [buf_addr + (buf * self.bm + tCcC[2 * r][0]) * 4 for r in range(2)]
-        if lane % 4 == 0:
+        if cute.arch.lane_idx() % 4 == 0:
             for r in cutlass.range_constexpr(2):
                 du.store_peer_f32(addrs[r], peer, sums[r])
             cute.arch.mbarrier_arrive(bars + buf, peer_cta_rank_in_cluster=peer,
                                       scope=nvvm.MemScopeKind.CLUSTER)
+
+    @cute.jit
+    def receive_sums(self, sums: list, tCcC: cute.Tensor, exchange: tuple,
+                     exchanges: Int32) -> list:
+        """The second half: every thread waits on its own barrier (acquire, cluster scope)
+        and adds the peer's halves to ``sums`` (IEEE addition commutes: both CTAs get the
+        same bits)."""
+        buf, addrs, bars = self.exchange_slots(tCcC, exchange, exchanges)
+        phase = (exchanges // 2) % 2
         bar_addr = Int32((bars + buf).toint())
         while du.mbarrier_try_wait_cluster(bar_addr, phase) == 0:
             pass

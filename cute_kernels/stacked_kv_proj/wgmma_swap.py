@@ -245,6 +245,8 @@ class StackedKvProjWgmmaSwap(StagedEpilogue, WgmmaPipeline, StackedKvProjBase):
             self.sync_epilogue_threads()
             sC = self.staged_tile(sW.iterator)
             self.stage_fragment(tiled_mma, ctid, acc, sC, True)
+            if const_expr(self.cluster):
+                self.arrive_staged()
             _, first_column = self.tile_layer(tile_n)
             self.rope_inputs(mCosSin, tile_m, first_column < self.kv, num_tokens, ctid, rSlot,
                              rPos, rCommitted, rCos, rSin)
