@@ -539,10 +539,11 @@ class StackedKvProjWgmma(WgmmaPipeline, StackedKvProjBase):
                 # The sums leave first: the arrival's release waits for every earlier load
                 # of the thread, so the norm weights and cos/sin are requested after it and
                 # land while the peer's sums are awaited.
-                self.send_sums(rstd, tCcC, exchange, exchanges)
+                places = self.exchange_places(tCcC, exchange, exchanges)
+                self.send_sums(rstd, places)
                 self.load_norm_inputs(mNormW, mCosSin, layer, positions, col_base, batches[0],
                                       batch_rows, batch_pairs, rW, rCos, rSin)
-                rstd = self.receive_sums(rstd, tCcC, exchange, exchanges)
+                rstd = self.receive_sums(rstd, places)
                 exchanges = exchanges + 1
             rstd = [du.rsqrt_approx(ss * inv_d + eps) for ss in rstd]
             for n, (r0, g0) in enumerate(batches):
@@ -585,39 +586,39 @@ class StackedKvProjWgmma(WgmmaPipeline, StackedKvProjBase):
         first = (tile_n // 2) * self.head_dim if self.split_head else tile_n * self.bn
         return first + col_base + self.group_offset(j)
 
-    def exchange_slots(self, tCcC: cute.Tensor, exchange: tuple, exchanges: Int32) -> tuple:
-        """Exchange ``exchanges``'s buffer parity, the addresses of this thread's two rows in
-        it (the same offsets in both CTAs) and its barrier: ``(buf, addrs, bars)``."""
+    def exchange_places(self, tCcC: cute.Tensor, exchange: tuple, exchanges: Int32) -> tuple:
+        """What exchange number ``exchanges`` uses, for :meth:`send_sums` and
+        :meth:`receive_sums`: the barrier of its buffer (parity ``exchanges % 2``), the
+        barrier's phase, and the addresses of this thread's two rows in the buffer (the same
+        offsets in both CTAs): ``(barrier, phase, addrs)``."""
         buf_addr, bars = exchange
         buf = exchanges % 2
-        return buf, [buf_addr + (buf * self.bm + tCcC[2 * r][0]) * 4 for r in range(2)], bars
+        addrs = [buf_addr + (buf * self.bm + tCcC[2 * r][0]) * 4 for r in range(2)]
+        return bars + buf, (exchanges // 2) % 2, addrs
 
     @cute.jit
-    def send_sums(self, sums: list, tCcC: cute.Tensor, exchange: tuple,
-                  exchanges: Int32) -> None:
+    def send_sums(self, sums: list, places: tuple) -> None:
         """Split-head tiles, the first half of the exchange of the rows' sums of squares
-        over the head's full D columns: the quad leader of each row pair writes its two
-        half-head sums into the peer CTA's buffer (parity ``exchanges % 2``) and arrives on
-        the peer's barrier (release, cluster scope). A buffer is written again two exchanges
-        later, after the peer has arrived on this CTA's barrier for the exchange between,
-        which it does after reading it (:meth:`receive_sums`)."""
-        buf, addrs, bars = self.exchange_slots(tCcC, exchange, exchanges)
+        over the head's full D columns (``places`` from :meth:`exchange_places`): the quad
+        leader of each row pair writes its two half-head sums into the peer CTA's buffer and
+        arrives on the peer's barrier (release, cluster scope). A buffer is written again two
+        exchanges later, after the peer has arrived on this CTA's barrier for the exchange
+        between, which it does after reading it (:meth:`receive_sums`)."""
+        barrier, _, addrs = places
         peer = 1 - cute.arch.block_idx_in_cluster()  # the CTA of the other half
         if cute.arch.lane_idx() % 4 == 0:
             for r in cutlass.range_constexpr(2):
                 du.store_peer_f32(addrs[r], peer, sums[r])
-            cute.arch.mbarrier_arrive(bars + buf, peer_cta_rank_in_cluster=peer,
+            cute.arch.mbarrier_arrive(barrier, peer_cta_rank_in_cluster=peer,
                                       scope=nvvm.MemScopeKind.CLUSTER)
 
     @cute.jit
-    def receive_sums(self, sums: list, tCcC: cute.Tensor, exchange: tuple,
-                     exchanges: Int32) -> list:
+    def receive_sums(self, sums: list, places: tuple) -> list:
         """The second half: every thread waits on its own barrier (acquire, cluster scope)
         and adds the peer's halves to ``sums`` (IEEE addition commutes: both CTAs get the
         same bits)."""
-        buf, addrs, bars = self.exchange_slots(tCcC, exchange, exchanges)
-        phase = (exchanges // 2) % 2
-        bar_addr = Int32((bars + buf).toint())
+        barrier, phase, addrs = places
+        bar_addr = Int32(barrier.toint())
         while du.mbarrier_try_wait_cluster(bar_addr, phase) == 0:
             pass
         return [sums[r] + du.load_shared_b32(addrs[r], Float32) for r in range(2)]
