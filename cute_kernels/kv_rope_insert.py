@@ -78,7 +78,9 @@ class KvRopeInsert:
     # of 256 threads leave ptxas 64 registers a thread.
     CTAS_PER_SM = 4
     STAGES = 4  # a register ring's row is 8 registers a stage: 4 stages fit 64 registers
-    HEADER_BYTES = 16  # the slot (int64), padded so that the row starts 16-byte aligned
+    # the register ring's stage header: the slot (int64), padded to 16 bytes (the packed
+    # formats keep their slots in registers instead: ring_loop)
+    HEADER_BYTES = 16
     ROW_BYTES = 2 * HEAD_DIM  # the bf16 kv row
     CS_BYTES = 4 * ROPE_DIM  # a cos/sin row: 32 cos then 32 sin (fp32)
     DIMS_PER_LANE = HEAD_DIM // 32  # packed formats
@@ -103,7 +105,8 @@ class KvRopeInsert:
         # quantisation groups each, measured slower on it (V4 by 2-9 %, V4.1 by up to 5 % at
         # T <= 65536: PERF.md).
         self.row_in_ring = fmt.packed
-        self.stage_bytes = self.HEADER_BYTES + self.CS_BYTES + (
+        self.header_bytes = 0 if self.row_in_ring else self.HEADER_BYTES
+        self.stage_bytes = self.header_bytes + self.CS_BYTES + (
             self.ROW_BYTES if self.row_in_ring else 0)
         self.ring_bytes = self.WARPS_PER_CTA * self.STAGES * self.stage_bytes
         # ask for what the resident CTAs' rings need (plus the 1 KiB the driver reserves per
@@ -244,32 +247,42 @@ class KvRopeInsert:
         mCache: cute.Tensor, tCrChunk: cute.Tensor, tCrPos: cute.Tensor, ring: Int32,
         first: Int32, stride: Int32, items: Int32, lane: Int32,
     ) -> None:
-        """The packed records: the kv row through the ring, 16 dims a lane."""
+        """The packed records: the kv row through the ring, 16 dims a lane. Each slot stays
+        in a register from its fetch (whose shuffle gives it to every lane) to its store:
+        the loop is unrolled by STAGES so that the slot's register is a static ring index,
+        and no header passes through shared memory (a store and a load a slot fewer on the
+        shared-memory pipe that limits these formats)."""
+        tCrSlot = cute.make_rmem_tensor((self.STAGES,), Int64)
         for ahead in cutlass.range_constexpr(self.STAGES - 1):
             if ahead < items:
-                self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, tCrPos, ring, ahead,
-                           first, stride, items, lane)
+                tCrSlot[ahead] = self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk,
+                                            tCrPos, ring, ahead, first, stride, items, lane)
             du.cp_async_commit()
         # Once per thread, after the first copies are on their way (so that the 64-bit
         # division of divisor_magic does not delay them): the block size's multiply-shift.
         block_magic = du.divisor_magic(Int32(mCache.shape[1]))
-        for i in cutlass.range(items, unroll=1):
-            ahead = i + self.STAGES - 1
-            if ahead < items:
-                self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, tCrPos, ring, ahead,
-                           first, stride, items, lane)
-            du.cp_async_commit()  # one group per item: group i is the oldest pending
-            du.cp_async_wait(self.STAGES - 1)
-            cute.arch.sync_warp()  # every lane's copies and lane 0's header are visible
-            stage = ring + (i % self.STAGES) * self.stage_bytes
-            slot = du.load_shared_i64(stage)
-            if slot >= 0:  # the same in every lane
-                page, row = self.record_of(mCache, block_magic, slot)
-                self.rotate_rope(stage, lane)
-                cute.arch.sync_warp()  # the rotated pairs are visible to every lane
-                self.store_packed(stage, self.load_row(stage, lane), page, row,
-                                  Int64(mCache.shape[1]), lane, lane >= self.ROPE_FIRST_LANE)
-            cute.arch.sync_warp()  # every lane is done with the stage before it is refilled
+        for base in cutlass.range(0, items, self.STAGES, unroll=1):
+            for k in cutlass.range_constexpr(self.STAGES):
+                i = base + k
+                ahead = i + self.STAGES - 1
+                if ahead < items:
+                    tCrSlot[(k + self.STAGES - 1) % self.STAGES] = self.fetch(
+                        mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, tCrPos, ring, ahead,
+                        first, stride, items, lane)
+                du.cp_async_commit()  # one group per item: group i is the oldest pending
+                if i < items:
+                    du.cp_async_wait(self.STAGES - 1)
+                    cute.arch.sync_warp()  # every lane's copies are visible
+                    stage = ring + k * self.stage_bytes
+                    slot = tCrSlot[k]
+                    if slot >= 0:  # the same in every lane
+                        page, row = self.record_of(mCache, block_magic, slot)
+                        self.rotate_rope(stage, lane)
+                        cute.arch.sync_warp()  # the rotated pairs are visible to every lane
+                        self.store_packed(stage, self.load_row(stage, lane), page, row,
+                                          Int64(mCache.shape[1]), lane,
+                                          lane >= self.ROPE_FIRST_LANE)
+                    cute.arch.sync_warp()  # every lane is done with the stage: refill it
 
     @cute.jit
     def load_row(self, stage: Int32, lane: Int32) -> cute.Tensor:
@@ -315,12 +328,12 @@ class KvRopeInsert:
         the copies write chunks 32h + L (lane L, instruction h: 512 contiguous global bytes
         each) and lane L reads back its chunks 2L and 2L + 1; flipping bit 0 of the 16-byte
         slot in every odd group of 8 chunks keeps both free of shared-memory bank conflicts."""
-        return stage + self.HEADER_BYTES + 16 * (chunk ^ ((chunk >> 3) & 1))
+        return stage + self.header_bytes + 16 * (chunk ^ ((chunk >> 3) & 1))
 
     def cos_sin_row(self, stage: Int32) -> Int32:
         """The 256-byte cos/sin row of ``stage`` (32 cos, then 32 sin, fp32), after the kv row
         where the ring holds it."""
-        return stage + self.HEADER_BYTES + (self.ROW_BYTES if self.row_in_ring else 0)
+        return stage + self.header_bytes + (self.ROW_BYTES if self.row_in_ring else 0)
 
     @cute.jit
     def load_chunk(
@@ -343,11 +356,12 @@ class KvRopeInsert:
         self, mKV: cute.Tensor, mSlot: cute.Tensor, mPos: cute.Tensor, mCosSin: cute.Tensor,
         mCache: cute.Tensor, tCrChunk: cute.Tensor, tCrPos: cute.Tensor, ring: Int32,
         item: Int32, first: Int32, stride: Int32, items: Int32, lane: Int32,
-    ) -> None:
+    ) -> Int64:
         """Start the copies of item ``item``'s inputs into ring stage ``item % STAGES``: the
-        slot (from the chunk registers) as the header, the kv row where the ring holds it
-        (each instruction 512 contiguous bytes: whole sectors), and for a slot that is
-        written its cos/sin row."""
+        kv row where the ring holds it (each instruction 512 contiguous bytes: whole
+        sectors), the slot (from the chunk registers) as the header where it does not, and
+        for a slot that is written its cos/sin row. Returns the slot (checked: -1 when the
+        row is skipped), the same in every lane."""
         stage = ring + (item % self.STAGES) * self.stage_bytes
         # the kv row first: its address needs no load (the first slots' copies start while the
         # chunk's slot/position loads are still in flight)
@@ -368,13 +382,15 @@ class KvRopeInsert:
             self.load_chunk(mSlot, mPos, tCrChunk, lane, item + 32, first, stride, items)
         slot = cute.arch.shuffle_sync(tCrChunk[0], offset=item % 32)
         position = cute.arch.shuffle_sync(tCrPos[0], offset=item % 32)
-        if lane == 0:
-            du.store_shared_i64(stage, slot)  # the position is only needed for cos/sin, here
+        if const_expr(not self.row_in_ring):  # the packed formats keep it in a register
+            if lane == 0:
+                du.store_shared_i64(stage, slot)  # the position is only needed here
         cs_lane = lane - (32 - self.CS_BYTES // 16)
         if (cs_lane >= 0) & (slot >= 0):  # a skipped row's position: any value
             # the 256-byte row as is, by the last 16 lanes in one instruction (whole sectors)
             table = mCosSin.iterator.toint() + Int64(position) * (4 * ROPE_DIM)
             du.cp_async_16(self.cos_sin_row(stage) + 16 * cs_lane, table + 16 * cs_lane)
+        return slot
 
     @cute.jit
     def rotate_rope(self, stage: Int32, lane: Int32) -> None:
