@@ -57,9 +57,10 @@ class KvRopeInsertKey:
 
 class KvRopeInsert:
     """Resident warps striding over the slots, each keeping ``STAGES - 1`` slots' inputs in
-    flight while it rotates, quantises and stores the current one: the slot and the cos/sin
-    row in a ``cp.async`` ring in shared memory, and the kv row either there too (the packed
-    formats, :meth:`ring_loop`) or in a register ring (bf16 and fp8, :meth:`register_loop`).
+    flight while it rotates, quantises and stores the current one: the cos/sin row in a
+    ``cp.async`` ring in shared memory, and the kv row either there too (the packed formats,
+    :meth:`ring_loop`, which keep the slot in a register ring) or in a register ring (bf16 and
+    fp8, :meth:`register_loop`, whose stages hold the slot as a header).
     The slot and position of the warp's next 32 slots are loaded a chunk ahead (one per lane),
     so the cos/sin row of a slot is requested together with its kv row: nothing waits on a
     chain of dependent loads.
