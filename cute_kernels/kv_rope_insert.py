@@ -57,10 +57,10 @@ class KvRopeInsertKey:
 
 class KvRopeInsert:
     """Resident warps striding over the slots, each keeping ``STAGES - 1`` slots' inputs in
-    flight while it rotates, quantises and stores the current one: the cos/sin row in a
-    ``cp.async`` ring in shared memory, and the kv row either there too (the packed formats,
-    :meth:`ring_loop`, which keep the slot in a register ring) or in a register ring (bf16 and
-    fp8, :meth:`register_loop`, whose stages hold the slot as a header).
+    flight while it rotates, quantises and stores the current one (:meth:`slot_loop`): the
+    cos/sin row in a ``cp.async`` ring in shared memory, and the kv row either there too (the
+    packed formats, which keep the slot in a register ring) or in a register ring (bf16 and
+    fp8, whose stages hold the slot as a header).
     The slot and position of the warp's next 32 slots are loaded a chunk ahead (one per lane),
     so the cos/sin row of a slot is requested together with its kv row: nothing waits on a
     chain of dependent loads.
@@ -80,7 +80,7 @@ class KvRopeInsert:
     CTAS_PER_SM = 4
     STAGES = 4  # a register ring's row is 8 registers a stage: 4 stages fit 64 registers
     # the register ring's stage header: the slot (int64), padded to 16 bytes (the packed
-    # formats keep their slots in registers instead: ring_loop)
+    # formats keep their slots in registers instead: slot_loop)
     HEADER_BYTES = 16
     ROW_BYTES = 2 * HEAD_DIM  # the bf16 kv row
     CS_BYTES = 4 * ROPE_DIM  # a cos/sin row: 32 cos then 32 sin (fp32)
@@ -169,67 +169,76 @@ class KvRopeInsert:
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
         self.load_chunk(mSlot, mPos, tCrChunk, lane, 0, first, stride, items)
-        if const_expr(self.row_in_ring):
-            self.ring_loop(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, tCrPos, ring, first,
-                           stride, items, lane)
-        else:
-            self.register_loop(mKV, mSlot, mPos, mCosSin, mCache, mScale, tCrChunk, tCrPos,
-                               ring, first, stride, items, lane)
+        self.slot_loop(mKV, mSlot, mPos, mCosSin, mCache, mScale, tCrChunk, tCrPos, ring, first,
+                       stride, items, lane)
 
     @cute.jit
-    def register_loop(
+    def slot_loop(
         self, mKV: cute.Tensor, mSlot: cute.Tensor, mPos: cute.Tensor, mCosSin: cute.Tensor,
         mCache: cute.Tensor, mScale: cute.Tensor | None, tCrChunk: cute.Tensor,
         tCrPos: cute.Tensor, ring: Int32, first: Int32, stride: Int32, items: Int32,
         lane: Int32,
     ) -> None:
-        """The bf16 and fp8 records: each lane's two chunks of a kv row go global -> registers
-        -> global (the row never passes through shared memory; the ring holds the header and
-        the cos/sin row). The loop is unrolled by STAGES so that each slot's registers are a
-        static ring index."""
+        """This warp's items, ``STAGES - 1`` fetched ahead of the one stored. The packed
+        formats' kv row goes through the ring, 16 dims a lane, and each slot stays in a
+        register from its fetch (whose shuffle gives it to every lane) to its store: no
+        header passes through shared memory (a store and a load a slot fewer on the
+        shared-memory pipe that limits these formats). bf16's and fp8's row goes global ->
+        registers -> global (lane L chunks L and 32 + L), and the ring holds the header and
+        the cos/sin row (an int64 slot ring beside the row's words would not fit their 64
+        registers). The loop is unrolled by STAGES so that each item's registers are a static
+        ring index."""
         fp8_scale = Float32(1.0)
         if const_expr(self.fmt is CacheFormat.FP8):
             fp8_scale = mScale[0]
-        tKrK = cute.make_rmem_tensor((self.STAGES * 8,), Uint32)
+        in_ring = self.row_in_ring
+        tCrSlot = cute.make_rmem_tensor((self.STAGES,), Int64) if in_ring else None
+        tKrK = None if in_ring else cute.make_rmem_tensor((self.STAGES * 8,), Uint32)
         for ahead in cutlass.range_constexpr(self.STAGES - 1):
             if ahead < items:
-                self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, tCrPos, ring, ahead,
-                           first, stride, items, lane)
-                self.load_row_words(mKV, tKrK, ahead, ahead, first, stride, lane)
+                self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, tCrPos, tCrSlot, tKrK,
+                           ring, ahead, ahead, first, stride, items, lane)
             du.cp_async_commit()
-        # fp8: after the first copies are on their way (so that neither the scale's load nor
-        # the 64-bit division of divisor_magic delays them), once per thread: the multiply-
-        # shift by the block size and 1 / scale. bf16 keeps the 64-bit division (the
+        # After the first copies are on their way (so that neither the scale's load nor the
+        # 64-bit division of divisor_magic delays them), once per thread: the block size's
+        # multiply-shift and fp8's 1 / scale. bf16 keeps the 64-bit division (the
         # multiply-shift's registers made ptxas spill).
         block_magic = None
+        if const_expr(self.fmt is not CacheFormat.BF16):
+            block_magic = du.divisor_magic(Int32(mCache.shape[1]))
         fp8_inv_scale = Float32(1.0)
         if const_expr(self.fmt is CacheFormat.FP8):
-            block_magic = du.divisor_magic(Int32(mCache.shape[1]))
             fp8_inv_scale = du.div_rn(Float32(1.0), fp8_scale)
         for base in cutlass.range(0, items, self.STAGES, unroll=1):
             for k in cutlass.range_constexpr(self.STAGES):
                 i = base + k
                 ahead = i + self.STAGES - 1
                 if ahead < items:
-                    self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, tCrPos, ring, ahead,
-                               first, stride, items, lane)
-                    self.load_row_words(mKV, tKrK, (k + self.STAGES - 1) % self.STAGES, ahead,
-                                        first, stride, lane)
+                    self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, tCrPos, tCrSlot,
+                               tKrK, ring, ahead, (k + self.STAGES - 1) % self.STAGES, first,
+                               stride, items, lane)
                 du.cp_async_commit()  # one group per item: group i is the oldest pending
                 if i < items:
                     du.cp_async_wait(self.STAGES - 1)
-                    cute.arch.sync_warp()  # the copies and lane 0's header are visible
+                    cute.arch.sync_warp()  # the copies (and lane 0's header) are visible
                     stage = ring + k * self.stage_bytes
-                    slot = du.load_shared_i64(stage)
+                    slot = tCrSlot[k] if in_ring else du.load_shared_i64(stage)
                     if slot >= 0:  # the same in every lane
                         page, row = self.record_of(mCache, block_magic, slot)
-                        tXrW = words(tKrK, 8 * k, 8)
-                        row_addr = page + row * mCache.stride[1]
-                        if const_expr(self.fmt is CacheFormat.BF16):
-                            self.store_bf16(stage, tXrW, row_addr, lane)
+                        if const_expr(in_ring):
+                            self.rotate_rope(stage, lane)
+                            cute.arch.sync_warp()  # the rotated pairs are visible to all
+                            self.store_packed(stage, self.load_row(stage, lane), page, row,
+                                              Int64(mCache.shape[1]), lane,
+                                              lane >= self.ROPE_FIRST_LANE)
                         else:
-                            self.store_fp8(stage, tXrW, fp8_inv_scale, row_addr, lane)
-                    cute.arch.sync_warp()  # every lane is done with the stage
+                            tXrW = words(tKrK, 8 * k, 8)
+                            row_addr = page + row * mCache.stride[1]
+                            if const_expr(self.fmt is CacheFormat.BF16):
+                                self.store_bf16(stage, tXrW, row_addr, lane)
+                            else:
+                                self.store_fp8(stage, tXrW, fp8_inv_scale, row_addr, lane)
+                    cute.arch.sync_warp()  # every lane is done with the stage: refill it
 
     @cute.jit
     def load_row_words(self, mKV: cute.Tensor, tKrK: cute.Tensor, reg_stage: int,
@@ -241,49 +250,6 @@ class KvRopeInsert:
             words = du.load_global_v4(row + 16 * (32 * half + lane))
             for w in cutlass.range_constexpr(4):
                 tKrK[8 * reg_stage + 4 * half + w] = words[w]
-
-    @cute.jit
-    def ring_loop(
-        self, mKV: cute.Tensor, mSlot: cute.Tensor, mPos: cute.Tensor, mCosSin: cute.Tensor,
-        mCache: cute.Tensor, tCrChunk: cute.Tensor, tCrPos: cute.Tensor, ring: Int32,
-        first: Int32, stride: Int32, items: Int32, lane: Int32,
-    ) -> None:
-        """The packed records: the kv row through the ring, 16 dims a lane. Each slot stays
-        in a register from its fetch (whose shuffle gives it to every lane) to its store:
-        the loop is unrolled by STAGES so that the slot's register is a static ring index,
-        and no header passes through shared memory (a store and a load a slot fewer on the
-        shared-memory pipe that limits these formats)."""
-        tCrSlot = cute.make_rmem_tensor((self.STAGES,), Int64)
-        for ahead in cutlass.range_constexpr(self.STAGES - 1):
-            if ahead < items:
-                tCrSlot[ahead] = self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk,
-                                            tCrPos, ring, ahead, first, stride, items, lane)
-            du.cp_async_commit()
-        # Once per thread, after the first copies are on their way (so that the 64-bit
-        # division of divisor_magic does not delay them): the block size's multiply-shift.
-        block_magic = du.divisor_magic(Int32(mCache.shape[1]))
-        for base in cutlass.range(0, items, self.STAGES, unroll=1):
-            for k in cutlass.range_constexpr(self.STAGES):
-                i = base + k
-                ahead = i + self.STAGES - 1
-                if ahead < items:
-                    tCrSlot[(k + self.STAGES - 1) % self.STAGES] = self.fetch(
-                        mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, tCrPos, ring, ahead,
-                        first, stride, items, lane)
-                du.cp_async_commit()  # one group per item: group i is the oldest pending
-                if i < items:
-                    du.cp_async_wait(self.STAGES - 1)
-                    cute.arch.sync_warp()  # every lane's copies are visible
-                    stage = ring + k * self.stage_bytes
-                    slot = tCrSlot[k]
-                    if slot >= 0:  # the same in every lane
-                        page, row = self.record_of(mCache, block_magic, slot)
-                        self.rotate_rope(stage, lane)
-                        cute.arch.sync_warp()  # the rotated pairs are visible to every lane
-                        self.store_packed(stage, self.load_row(stage, lane), page, row,
-                                          Int64(mCache.shape[1]), lane,
-                                          lane >= self.ROPE_FIRST_LANE)
-                    cute.arch.sync_warp()  # every lane is done with the stage: refill it
 
     @cute.jit
     def load_row(self, stage: Int32, lane: Int32) -> cute.Tensor:
@@ -355,14 +321,16 @@ class KvRopeInsert:
     @cute.jit
     def fetch(
         self, mKV: cute.Tensor, mSlot: cute.Tensor, mPos: cute.Tensor, mCosSin: cute.Tensor,
-        mCache: cute.Tensor, tCrChunk: cute.Tensor, tCrPos: cute.Tensor, ring: Int32,
-        item: Int32, first: Int32, stride: Int32, items: Int32, lane: Int32,
-    ) -> Int64:
-        """Start the copies of item ``item``'s inputs into ring stage ``item % STAGES``: the
-        kv row where the ring holds it (each instruction 512 contiguous bytes: whole
-        sectors), the slot (from the chunk registers) as the header where it does not, and
-        for a slot that is written its cos/sin row. Returns the slot (checked: -1 when the
-        row is skipped), the same in every lane."""
+        mCache: cute.Tensor, tCrChunk: cute.Tensor, tCrPos: cute.Tensor,
+        tCrSlot: cute.Tensor | None, tKrK: cute.Tensor | None, ring: Int32, item: Int32,
+        reg_stage: int, first: Int32, stride: Int32, items: Int32, lane: Int32,
+    ) -> None:
+        """Start the loads of item ``item``'s inputs into ring stage ``item % STAGES`` and
+        register stage ``reg_stage``: the packed formats' kv row into the ring (each
+        instruction 512 contiguous bytes: whole sectors) and the slot (from the chunk
+        registers, checked: -1 when the row is skipped) into ``tCrSlot``; bf16's and fp8's
+        slot as the stage's header and the row's words into ``tKrK``; for a slot that is
+        written, its cos/sin row into the ring."""
         stage = ring + (item % self.STAGES) * self.stage_bytes
         # the kv row first: its address needs no load (the first slots' copies start while the
         # chunk's slot/position loads are still in flight)
@@ -383,7 +351,9 @@ class KvRopeInsert:
             self.load_chunk(mSlot, mPos, tCrChunk, lane, item + 32, first, stride, items)
         slot = cute.arch.shuffle_sync(tCrChunk[0], offset=item % 32)
         position = cute.arch.shuffle_sync(tCrPos[0], offset=item % 32)
-        if const_expr(not self.row_in_ring):  # the packed formats keep it in a register
+        if const_expr(self.row_in_ring):
+            tCrSlot[reg_stage] = slot
+        else:
             if lane == 0:
                 du.store_shared_i64(stage, slot)  # the position is only needed here
         cs_lane = lane - (32 - self.CS_BYTES // 16)
@@ -391,7 +361,8 @@ class KvRopeInsert:
             # the 256-byte row as is, by the last 16 lanes in one instruction (whole sectors)
             table = mCosSin.iterator.toint() + Int64(position) * (4 * ROPE_DIM)
             du.cp_async_16(self.cos_sin_row(stage) + 16 * cs_lane, table + 16 * cs_lane)
-        return slot
+        if const_expr(not self.row_in_ring):
+            self.load_row_words(mKV, tKrK, reg_stage, item, first, stride, lane)
 
     @cute.jit
     def rotate_rope(self, stage: Int32, lane: Int32) -> None:
