@@ -383,10 +383,6 @@ def store_shared_v4(smem_addr: Int32, w0: Uint32, w1: Uint32, w2: Uint32, w3: Ui
                          read_only_args=[smem_addr, w0, w1, w2, w3])
 
 
-def store_shared_i64(smem_addr: Int32, value: Int64) -> None:
-    cute.arch.inline_ptx("st.shared.b64 [{$r0}], {$r1};", read_only_args=[smem_addr, value])
-
-
 def load_shared_b32(smem_addr: Int32, dtype: type = Uint32) -> Any:
     """One 32-bit value (``Uint32`` or ``Float32``) from a 4-byte aligned shared address."""
     return cute.arch.inline_ptx("ld.shared.b32 {$w0}, [{$r0}];", write_only_types=[dtype],
@@ -396,11 +392,6 @@ def load_shared_b32(smem_addr: Int32, dtype: type = Uint32) -> Any:
 def store_shared_b32(smem_addr: Int32, value: Any) -> None:
     """One 32-bit value to a 4-byte aligned shared address."""
     cute.arch.inline_ptx("st.shared.b32 [{$r0}], {$r1};", read_only_args=[smem_addr, value])
-
-
-def load_shared_i64(smem_addr: Int32) -> Int64:
-    return cute.arch.inline_ptx("ld.shared.b64 {$w0}, [{$r0}];", write_only_types=[Int64],
-                                read_only_args=[smem_addr])
 
 
 def load_shared_f32x2(smem_addr: Int32) -> tuple:

@@ -46,6 +46,11 @@ ALIGN = {"kv": VECTOR_BYTES, "k_cache": VECTOR_BYTES, "slot_mapping": 8, "positi
          "cos_sin_cache": VECTOR_BYTES, "fp8_scale": 4}
 
 
+#: The most slots a cache may hold: a slot is an int32 in the kernel (2^31 records of 512+
+#: bytes would be a 1 TiB cache).
+MAX_SLOTS = 2**31 - 1
+
+
 @dataclasses.dataclass(frozen=True)
 class KvRopeInsertKey:
     """Everything that changes the generated code. Token count, slot count, page count, block
@@ -58,9 +63,8 @@ class KvRopeInsertKey:
 class KvRopeInsert:
     """Resident warps striding over the slots, each keeping ``STAGES - 1`` slots' inputs in
     flight while it rotates, quantises and stores the current one (:meth:`slot_loop`): the
-    cos/sin row in a ``cp.async`` ring in shared memory, and the kv row either there too (the
-    packed formats, which keep the slot in a register ring) or in a register ring (bf16 and
-    fp8, whose stages hold the slot as a header).
+    cos/sin row in a ``cp.async`` ring in shared memory, the kv row either there too (the
+    packed formats) or in a register ring (bf16 and fp8), the slot in a register ring.
     The slot and position of the warp's next 32 slots are loaded a chunk ahead (one per lane),
     so the cos/sin row of a slot is requested together with its kv row: nothing waits on a
     chain of dependent loads.
@@ -79,9 +83,6 @@ class KvRopeInsert:
     # of 256 threads leave ptxas 64 registers a thread.
     CTAS_PER_SM = 4
     STAGES = 4  # a register ring's row is 8 registers a stage: 4 stages fit 64 registers
-    # the register ring's stage header: the slot (int64), padded to 16 bytes (the packed
-    # formats keep their slots in registers instead: slot_loop)
-    HEADER_BYTES = 16
     ROW_BYTES = 2 * HEAD_DIM  # the bf16 kv row
     CS_BYTES = 4 * ROPE_DIM  # a cos/sin row: 32 cos then 32 sin (fp32)
     DIMS_PER_LANE = HEAD_DIM // 32  # packed formats
@@ -106,9 +107,7 @@ class KvRopeInsert:
         # quantisation groups each, measured slower on it (V4 by 2-9 %, V4.1 by up to 5 % at
         # T <= 65536: PERF.md).
         self.row_in_ring = fmt.packed
-        self.header_bytes = 0 if self.row_in_ring else self.HEADER_BYTES
-        self.stage_bytes = self.header_bytes + self.CS_BYTES + (
-            self.ROW_BYTES if self.row_in_ring else 0)
+        self.stage_bytes = self.CS_BYTES + (self.ROW_BYTES if self.row_in_ring else 0)
         self.ring_bytes = self.WARPS_PER_CTA * self.STAGES * self.stage_bytes
         # ask for what the resident CTAs' rings need (plus the 1 KiB the driver reserves per
         # CTA) and leave the rest to L1
@@ -161,48 +160,45 @@ class KvRopeInsert:
         first = cta * self.WARPS_PER_CTA + warp
         stride = num_ctas * self.WARPS_PER_CTA
         items = cutlass.select_(first < num_slots, (num_slots - 1 - first) // stride + 1, 0)
-        # (slot, -, next slot, next position) of item 32c + lane of the chunk being fetched and
-        # of the next one; the position of the one being fetched, checked, in 32 bits
-        tCrChunk = cute.make_rmem_tensor((4,), Int64)
-        tCrPos = cute.make_rmem_tensor((1,), Int32)
+        # (slot, position) of item 32c + lane: of the next chunk as loaded, and of the chunk
+        # being fetched as checked, in 32 bits (the cache holds fewer than 2^31 slots)
+        tCrChunk = cute.make_rmem_tensor((2,), Int64)
+        tCrItem = cute.make_rmem_tensor((2,), Int32)
         # PDL: nothing before this reads memory the previous kernel may still be writing.
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
         self.load_chunk(mSlot, mPos, tCrChunk, lane, 0, first, stride, items)
-        self.slot_loop(mKV, mSlot, mPos, mCosSin, mCache, mScale, tCrChunk, tCrPos, ring, first,
+        self.slot_loop(mKV, mSlot, mPos, mCosSin, mCache, mScale, tCrChunk, tCrItem, ring, first,
                        stride, items, lane)
 
     @cute.jit
     def slot_loop(
         self, mKV: cute.Tensor, mSlot: cute.Tensor, mPos: cute.Tensor, mCosSin: cute.Tensor,
         mCache: cute.Tensor, mScale: cute.Tensor | None, tCrChunk: cute.Tensor,
-        tCrPos: cute.Tensor, ring: Int32, first: Int32, stride: Int32, items: Int32,
+        tCrItem: cute.Tensor, ring: Int32, first: Int32, stride: Int32, items: Int32,
         lane: Int32,
     ) -> None:
         """This warp's items, ``STAGES - 1`` fetched ahead of the one stored. The packed
-        formats' kv row goes through the ring, 16 dims a lane, and each slot stays in a
-        register from its fetch (whose shuffle gives it to every lane) to its store: no
-        header passes through shared memory (a store and a load a slot fewer on the
-        shared-memory pipe that limits these formats). bf16's and fp8's row goes global ->
-        registers -> global (lane L chunks L and 32 + L), and the ring holds the header and
-        the cos/sin row (an int64 slot ring beside the row's words would not fit their 64
-        registers). The loop is unrolled by STAGES so that each item's registers are a static
-        ring index."""
+        formats' kv row goes through the ring, 16 dims a lane; bf16's and fp8's goes global
+        -> registers -> global (each lane chunks L and 32 + L; the ring holds the cos/sin
+        row). The loop is unrolled by STAGES so that each item's registers (its slot, and its
+        row's words where they are in registers) are a static ring index."""
         fp8_scale = Float32(1.0)
         if const_expr(self.fmt is CacheFormat.FP8):
             fp8_scale = mScale[0]
-        in_ring = self.row_in_ring
-        tCrSlot = cute.make_rmem_tensor((self.STAGES,), Int64) if in_ring else None
-        tKrK = None if in_ring else cute.make_rmem_tensor((self.STAGES * 8,), Uint32)
+        tCrSlot = cute.make_rmem_tensor((self.STAGES,), Int32)
+        tKrK = None if self.row_in_ring else cute.make_rmem_tensor((self.STAGES * 8,), Uint32)
         for ahead in cutlass.range_constexpr(self.STAGES - 1):
             if ahead < items:
-                self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, tCrPos, tCrSlot, tKrK,
-                           ring, ahead, ahead, first, stride, items, lane)
+                tCrSlot[ahead] = self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk,
+                                            tCrItem, ring, ahead, first, stride, items, lane)
+                if const_expr(not self.row_in_ring):
+                    self.load_row_words(mKV, tKrK, ahead, ahead, first, stride, lane)
             du.cp_async_commit()
         # After the first copies are on their way (so that neither the scale's load nor the
         # 64-bit division of divisor_magic delays them), once per thread: the block size's
-        # multiply-shift and fp8's 1 / scale. bf16 keeps the 64-bit division (the
-        # multiply-shift's registers made ptxas spill).
+        # multiply-shift (bf16 divides: the multiply-shift's registers made ptxas spill when
+        # slots were 64-bit) and fp8's 1 / scale.
         block_magic = None
         if const_expr(self.fmt is not CacheFormat.BF16):
             block_magic = du.divisor_magic(Int32(mCache.shape[1]))
@@ -214,18 +210,21 @@ class KvRopeInsert:
                 i = base + k
                 ahead = i + self.STAGES - 1
                 if ahead < items:
-                    self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, tCrPos, tCrSlot,
-                               tKrK, ring, ahead, (k + self.STAGES - 1) % self.STAGES, first,
-                               stride, items, lane)
+                    tCrSlot[(k + self.STAGES - 1) % self.STAGES] = self.fetch(
+                        mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, tCrItem, ring, ahead,
+                        first, stride, items, lane)
+                    if const_expr(not self.row_in_ring):
+                        self.load_row_words(mKV, tKrK, (k + self.STAGES - 1) % self.STAGES,
+                                            ahead, first, stride, lane)
                 du.cp_async_commit()  # one group per item: group i is the oldest pending
                 if i < items:
                     du.cp_async_wait(self.STAGES - 1)
-                    cute.arch.sync_warp()  # the copies (and lane 0's header) are visible
+                    cute.arch.sync_warp()  # every lane's copies are visible
                     stage = ring + k * self.stage_bytes
-                    slot = tCrSlot[k] if in_ring else du.load_shared_i64(stage)
+                    slot = tCrSlot[k]
                     if slot >= 0:  # the same in every lane
                         page, row = self.record_of(mCache, block_magic, slot)
-                        if const_expr(in_ring):
+                        if const_expr(self.row_in_ring):
                             self.rotate_rope(stage, lane)
                             cute.arch.sync_warp()  # the rotated pairs are visible to all
                             self.store_packed(stage, self.load_row(stage, lane), page, row,
@@ -273,64 +272,57 @@ class KvRopeInsert:
 
     @cute.jit
     def record_of(self, mCache: cute.Tensor, block_magic: tuple | None,
-                  slot: Int64) -> tuple[Int64, Int64]:
-        """(page base address, row in the page) of ``slot`` (>= 0, the same in every lane).
-        With the block size's ``block_magic`` (:func:`~cute_kernels.dsl_utils.divisor_magic`)
-        a 32-bit multiply-shift for every slot below 2^31 (a 64-bit division is a ~30
-        instruction routine); the division otherwise."""
-        block_size = Int64(mCache.shape[1])
-        page_index = Int64(0)
+                  slot: Int32) -> tuple[Int64, Int64]:
+        """(page base address, row in the page) of ``slot`` (>= 0, the same in every lane):
+        with the block size's ``block_magic`` (:func:`~cute_kernels.dsl_utils.divisor_magic`)
+        a 32-bit multiply-shift, else a 32-bit division."""
+        block_size = Int32(mCache.shape[1])
+        page_index = Int32(0)
         if const_expr(block_magic is None):
             page_index = slot // block_size
         else:
-            if slot < Int64(2**31):
-                page_index = Int64(du.divide_by_magic(Int32(slot), block_magic))
-            else:
-                page_index = slot // block_size
-        page = mCache.iterator.toint() + page_index * mCache.stride[0]
-        return page, slot - page_index * block_size
+            page_index = du.divide_by_magic(slot, block_magic)
+        page = mCache.iterator.toint() + Int64(page_index) * mCache.stride[0]
+        return page, Int64(slot - page_index * block_size)
 
     def row_chunk(self, stage: Int32, chunk: Int32) -> Int32:
         """Where 16-byte chunk ``chunk`` (0..63) of the kv row lives in ``stage``, swizzled:
         the copies write chunks 32h + L (lane L, instruction h: 512 contiguous global bytes
         each) and lane L reads back its chunks 2L and 2L + 1; flipping bit 0 of the 16-byte
         slot in every odd group of 8 chunks keeps both free of shared-memory bank conflicts."""
-        return stage + self.header_bytes + 16 * (chunk ^ ((chunk >> 3) & 1))
+        return stage + 16 * (chunk ^ ((chunk >> 3) & 1))
 
     def cos_sin_row(self, stage: Int32) -> Int32:
         """The 256-byte cos/sin row of ``stage`` (32 cos, then 32 sin, fp32), after the kv row
         where the ring holds it."""
-        return stage + self.header_bytes + (self.ROW_BYTES if self.row_in_ring else 0)
+        return stage + (self.ROW_BYTES if self.row_in_ring else 0)
 
     @cute.jit
     def load_chunk(
         self, mSlot: cute.Tensor, mPos: cute.Tensor, tCrChunk: cute.Tensor, lane: Int32,
         chunk_start: Int32, first: Int32, stride: Int32, items: Int32,
     ) -> None:
-        """Lane L loads (slot, position) of this warp's item ``chunk_start + L`` into the "next"
-        half of ``tCrChunk`` (slot -1 past the warp's last item): plain loads, used when the
-        fetches reach that chunk."""
+        """Lane L loads (slot, position) of this warp's item ``chunk_start + L`` into
+        ``tCrChunk`` (slot -1 past the warp's last item): plain loads, used when the fetches
+        reach that chunk."""
         item = chunk_start + lane
-        tCrChunk[2] = Int64(-1)
-        tCrChunk[3] = Int64(0)
+        tCrChunk[0] = Int64(-1)
+        tCrChunk[1] = Int64(0)
         if item < items:
             token = first + item * stride
-            tCrChunk[2] = mSlot[token]
-            tCrChunk[3] = mPos[token]
+            tCrChunk[0] = mSlot[token]
+            tCrChunk[1] = mPos[token]
 
     @cute.jit
     def fetch(
         self, mKV: cute.Tensor, mSlot: cute.Tensor, mPos: cute.Tensor, mCosSin: cute.Tensor,
-        mCache: cute.Tensor, tCrChunk: cute.Tensor, tCrPos: cute.Tensor,
-        tCrSlot: cute.Tensor | None, tKrK: cute.Tensor | None, ring: Int32, item: Int32,
-        reg_stage: int, first: Int32, stride: Int32, items: Int32, lane: Int32,
-    ) -> None:
-        """Start the loads of item ``item``'s inputs into ring stage ``item % STAGES`` and
-        register stage ``reg_stage``: the packed formats' kv row into the ring (each
-        instruction 512 contiguous bytes: whole sectors) and the slot (from the chunk
-        registers, checked: -1 when the row is skipped) into ``tCrSlot``; bf16's and fp8's
-        slot as the stage's header and the row's words into ``tKrK``; for a slot that is
-        written, its cos/sin row into the ring."""
+        mCache: cute.Tensor, tCrChunk: cute.Tensor, tCrItem: cute.Tensor, ring: Int32,
+        item: Int32, first: Int32, stride: Int32, items: Int32, lane: Int32,
+    ) -> Int32:
+        """Start the copies of item ``item``'s inputs into ring stage ``item % STAGES``: the
+        kv row where the ring holds it (each instruction 512 contiguous bytes: whole
+        sectors) and, for a slot that is written, its cos/sin row. Returns the slot (from the
+        chunk registers, checked: -1 when the row is skipped), the same in every lane."""
         stage = ring + (item % self.STAGES) * self.stage_bytes
         # the kv row first: its address needs no load (the first slots' copies start while the
         # chunk's slot/position loads are still in flight)
@@ -343,26 +335,21 @@ class KvRopeInsert:
             # Input out of range never reaches memory: a slot past the cache's last row, or a
             # position outside the cos/sin table, skips its row as a negative slot does.
             # Tested once per lane and chunk, as the chunk is entered.
-            slot_ahead, position_ahead = tCrChunk[2], tCrChunk[3]
+            slot_ahead, position_ahead = tCrChunk[0], tCrChunk[1]
             in_range = ((slot_ahead < Int64(mCache.shape[0]) * Int64(mCache.shape[1]))
                         & (position_ahead >= 0) & (position_ahead < Int64(mCosSin.shape[0])))
-            tCrChunk[0] = cutlass.select_(in_range, slot_ahead, Int64(-1))
-            tCrPos[0] = Int32(position_ahead)  # in [0, max_pos) where it is used
+            # below the cache's slot count, < 2^31 (validated): one 32-bit shuffle a slot
+            tCrItem[0] = Int32(cutlass.select_(in_range, slot_ahead, Int64(-1)))
+            tCrItem[1] = Int32(position_ahead)  # in [0, max_pos) where it is used
             self.load_chunk(mSlot, mPos, tCrChunk, lane, item + 32, first, stride, items)
-        slot = cute.arch.shuffle_sync(tCrChunk[0], offset=item % 32)
-        position = cute.arch.shuffle_sync(tCrPos[0], offset=item % 32)
-        if const_expr(self.row_in_ring):
-            tCrSlot[reg_stage] = slot
-        else:
-            if lane == 0:
-                du.store_shared_i64(stage, slot)  # the position is only needed here
+        slot = cute.arch.shuffle_sync(tCrItem[0], offset=item % 32)
+        position = cute.arch.shuffle_sync(tCrItem[1], offset=item % 32)
         cs_lane = lane - (32 - self.CS_BYTES // 16)
         if (cs_lane >= 0) & (slot >= 0):  # a skipped row's position: any value
             # the 256-byte row as is, by the last 16 lanes in one instruction (whole sectors)
             table = mCosSin.iterator.toint() + Int64(position) * (4 * ROPE_DIM)
             du.cp_async_16(self.cos_sin_row(stage) + 16 * cs_lane, table + 16 * cs_lane)
-        if const_expr(not self.row_in_ring):
-            self.load_row_words(mKV, tKrK, reg_stage, item, first, stride, lane)
+        return slot
 
     @cute.jit
     def rotate_rope(self, stage: Int32, lane: Int32) -> None:
@@ -586,6 +573,9 @@ def kv_rope_insert(
         )
     expect_paged_cache_strides(k_cache, "k_cache", block_size, fmt.record_width, fmt.packed,
                                ALIGN["k_cache"])
+    if k_cache.shape[0] * block_size > MAX_SLOTS:
+        fail("k_cache", f"at most {MAX_SLOTS} slots (pages x block_size: the kernel keeps a "
+             "slot in 32 bits)", f"{k_cache.shape[0]} pages x {block_size}")
 
     expect_index(slot_mapping, "slot_mapping", torch.int64, device, "kv")
     if slot_mapping.shape[0] > kv.shape[0]:

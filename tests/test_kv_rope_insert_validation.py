@@ -174,6 +174,21 @@ def test_misaligned_cache_base():
     _rejects(args, "k_cache", "aligned to 16 bytes")
 
 
+@pytest.mark.parametrize("fmt", ["v4_packed", "bf16"])
+def test_cache_of_2_31_slots(fmt):
+    """The kernel keeps a slot in 32 bits: a cache of 2^31 slots (meta: a 1+ TiB cache) is
+    refused, one of 2^31 - 1 is not refused for its size."""
+    def cache(pages, block):
+        width = 584 if fmt == "v4_packed" else 512
+        dtype = torch.uint8 if fmt == "v4_packed" else torch.bfloat16
+        return torch.empty(pages, block, width, dtype=dtype, device="meta")
+
+    _rejects(_args("meta", fmt, k_cache=cache(2**25, 64), block_size=64), "k_cache",
+             "at most 2147483647 slots", "33554432 pages x 64")
+    odd = 2**31 - 1  # a prime: one page of that many rows
+    assert check_kv_rope_insert(**_args("meta", fmt, k_cache=cache(1, odd), block_size=odd)) is None
+
+
 def test_kernel_needs_cuda_tensors():
     with pytest.raises(LayoutError, match="kv: expected a CUDA tensor, got device cpu"):
         cute_kernels.kv_rope_insert(**_args("cpu"))
