@@ -336,9 +336,12 @@ class KvRopeInsert:
             # position outside the cos/sin table, skips its row as a negative slot does.
             # Tested once per lane and chunk, as the chunk is entered.
             slot_ahead, position_ahead = tCrChunk[0], tCrChunk[1]
-            in_range = ((slot_ahead < Int64(mCache.shape[0]) * Int64(mCache.shape[1]))
+            # every negative slot tested here, in 64 bits: one below -2^31 may have low 32
+            # bits that are a slot of the cache
+            in_range = ((slot_ahead >= 0)
+                        & (slot_ahead < Int64(mCache.shape[0]) * Int64(mCache.shape[1]))
                         & (position_ahead >= 0) & (position_ahead < Int64(mCosSin.shape[0])))
-            # below the cache's slot count, < 2^31 (validated): one 32-bit shuffle a slot
+            # in [0, the cache's slot count < 2^31 (validated)) or -1: one 32-bit shuffle a slot
             tCrItem[0] = Int32(cutlass.select_(in_range, slot_ahead, Int64(-1)))
             tCrItem[1] = Int32(position_ahead)  # in [0, max_pos) where it is used
             self.load_chunk(mSlot, mPos, tCrChunk, lane, item + 32, first, stride, items)

@@ -65,8 +65,8 @@ def kv_rope_insert_case(
     layout); "paged" is what a paged allocator gives a prefill: pages in random order, slots
     consecutive inside; "decode" is one random slot per request, as a decode step writes.
     ``out_of_range``: the backing holds a guard page past the cache, and some rows' slots
-    point into it or past it, some positions lie outside the cos/sin table (those rows write
-    nothing)."""
+    point into it or past it, or are negative with a slot's low 32 bits, some positions lie
+    outside the cos/sin table (those rows write nothing)."""
     fmt = CacheFormat(fmt)
     dtype, mxfp8, width = fmt.dtype, fmt is CacheFormat.V41_MXFP8, fmt.record_width
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -98,6 +98,9 @@ def kv_rope_insert_case(
         past = slots[1::6]
         past.copy_(capacity + torch.arange(past.numel()) * 7 % block_size)  # the guard page
         past[-1:] = 2**40  # far past it
+        # negative, with the low 32 bits of a slot of the cache: a kernel that narrowed the
+        # slot before testing its sign would write them
+        slots[3::6] -= 2**32
         positions[2::6] = cos_sin.shape[0]
         positions[4::6] = -1 - torch.arange(positions[4::6].numel(), device=device)
     scale = torch.tensor([0.7], device=device) if fmt is CacheFormat.FP8 else None
