@@ -8,6 +8,7 @@ import torch
 
 import cute_kernels
 from cute_kernels import LayoutError, check_kv_rope_insert
+from cute_kernels.layouts import CacheFormat
 from cute_kernels.testing import cpu_launches
 from cute_kernels.testing import kv_rope_insert_case as make_case
 
@@ -179,9 +180,8 @@ def test_cache_of_2_31_slots(fmt):
     """The kernel keeps a slot in 32 bits: a cache of 2^31 slots (meta: a 1+ TiB cache) is
     refused, one of 2^31 - 1 is not refused for its size."""
     def cache(pages, block):
-        width = 584 if fmt == "v4_packed" else 512
-        dtype = torch.uint8 if fmt == "v4_packed" else torch.bfloat16
-        return torch.empty(pages, block, width, dtype=dtype, device="meta")
+        layout = CacheFormat(fmt)
+        return torch.empty(pages, block, layout.record_width, dtype=layout.dtype, device="meta")
 
     _rejects(_args("meta", fmt, k_cache=cache(2**25, 64), block_size=64), "k_cache",
              "at most 2147483647 slots", "33554432 pages x 64")
