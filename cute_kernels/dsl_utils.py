@@ -285,13 +285,15 @@ def divisor_magic(d: Int32) -> tuple:
     """``(m, l)`` that divide by ``d`` (``1 <= d < 2^31``) with :func:`divide_by_magic`:
     ``l = ceil(log2 d)``, ``m = floor(2^32 (2^l - d) / d) + 1`` (Granlund and Montgomery's
     round-up method). Computed in the kernel, once per thread: the DSL's own fast-divmod
-    divisor is hoisted to the host launcher, which then pays for it on every call."""
+    divisor is hoisted to the host launcher, which then pays for it on every call. A power of
+    two (``2^l - d = 0``: ``m = 1``) skips the 64-bit division, a subroutine of ~70
+    instructions."""
     return cute.arch.inline_ptx(
-        "{ .reg .b32 dm1, z; .reg .b64 num, dd, q;"
+        "{ .reg .b32 dm1, z; .reg .b64 num, dd, q; .reg .pred pow2;"
         " sub.u32 dm1, {$r0}, 1; clz.b32 z, dm1; sub.u32 {$w1}, 32, z;"
         " cvt.u64.u32 dd, {$r0}; shl.b64 num, 1, {$w1}; sub.u64 num, num, dd;"
-        " shl.b64 num, num, 32; div.u64 q, num, dd; add.u64 q, q, 1;"
-        " cvt.u32.u64 {$w0}, q; }",
+        " setp.eq.u64 pow2, num, 0; shl.b64 num, num, 32; mov.u64 q, 0;"
+        " @!pow2 div.u64 q, num, dd; add.u64 q, q, 1; cvt.u32.u64 {$w0}, q; }",
         write_only_types=[Uint32, Uint32],
         read_only_args=[d],
     )

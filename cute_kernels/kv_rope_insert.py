@@ -154,12 +154,10 @@ class KvRopeInsert:
         smem = cutlass.memory.SmemAllocator()
         sRing = smem.allocate_tensor(Uint8, cute.make_layout(self.ring_bytes), byte_alignment=16)
         ring = Int32(sRing.iterator.toint()) + warp * (self.STAGES * self.stage_bytes)
-        num_slots = mSlot.shape[0]
         # Slot t goes to warp t mod (all warps): at any moment the warps read one contiguous
         # stretch of kv rows (measured 1-2 % faster than contiguous ranges per warp).
         first = cta * self.WARPS_PER_CTA + warp
         stride = num_ctas * self.WARPS_PER_CTA
-        items = cutlass.select_(first < num_slots, (num_slots - 1 - first) // stride + 1, 0)
         # (slot, position) of item 32c + lane: of the next chunk as loaded, and of the chunk
         # being fetched as checked, in 32 bits (the cache holds fewer than 2^31 slots)
         tCrChunk = cute.make_rmem_tensor((2,), Int64)
@@ -167,16 +165,15 @@ class KvRopeInsert:
         # PDL: nothing before this reads memory the previous kernel may still be writing.
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
-        self.load_chunk(mSlot, mPos, tCrChunk, lane, 0, first, stride, items)
+        self.load_chunk(mSlot, mPos, tCrChunk, lane, 0, first, stride)
         self.slot_loop(mKV, mSlot, mPos, mCosSin, mCache, mScale, tCrChunk, tCrItem, ring, first,
-                       stride, items, lane)
+                       stride, lane)
 
     @cute.jit
     def slot_loop(
         self, mKV: cute.Tensor, mSlot: cute.Tensor, mPos: cute.Tensor, mCosSin: cute.Tensor,
         mCache: cute.Tensor, mScale: cute.Tensor | None, tCrChunk: cute.Tensor,
-        tCrItem: cute.Tensor, ring: Int32, first: Int32, stride: Int32, items: Int32,
-        lane: Int32,
+        tCrItem: cute.Tensor, ring: Int32, first: Int32, stride: Int32, lane: Int32,
     ) -> None:
         """This warp's items, ``STAGES - 1`` fetched ahead of the one stored. The packed
         formats' kv row goes through the ring, 16 dims a lane; bf16's and fp8's goes global
@@ -188,20 +185,20 @@ class KvRopeInsert:
             fp8_scale = mScale[0]
         tCrSlot = cute.make_rmem_tensor((self.STAGES,), Int32)
         tKrK = None if self.row_in_ring else cute.make_rmem_tensor((self.STAGES * 8,), Uint32)
+        num_slots = mSlot.shape[0]
+        # The first items are tested by their token, not by the item count: its division (and
+        # divisor_magic's) come after the first copies are on their way.
         for ahead in cutlass.range_constexpr(self.STAGES - 1):
-            if ahead < items:
+            if first + ahead * stride < num_slots:
                 tCrSlot[ahead] = self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk,
-                                            tCrItem, ring, ahead, first, stride, items, lane)
+                                            tCrItem, ring, ahead, first, stride, lane)
                 if const_expr(not self.row_in_ring):
                     self.load_row_words(mKV, tKrK, ahead, ahead, first, stride, lane)
             du.cp_async_commit()
-        # After the first copies are on their way (so that neither the scale's load nor the
-        # 64-bit division of divisor_magic delays them), once per thread: the block size's
-        # multiply-shift (bf16 divides: the multiply-shift's registers made ptxas spill when
-        # slots were 64-bit) and fp8's 1 / scale.
-        block_magic = None
-        if const_expr(self.fmt is not CacheFormat.BF16):
-            block_magic = du.divisor_magic(Int32(mCache.shape[1]))
+        items = cutlass.select_(first < num_slots, (num_slots - 1 - first) // stride + 1, 0)
+        # Once per thread, while those copies are in flight: the block size's multiply-shift
+        # and fp8's 1 / scale.
+        block_magic = du.divisor_magic(Int32(mCache.shape[1]))
         fp8_inv_scale = Float32(1.0)
         if const_expr(self.fmt is CacheFormat.FP8):
             fp8_inv_scale = du.div_rn(Float32(1.0), fp8_scale)
@@ -212,7 +209,7 @@ class KvRopeInsert:
                 if ahead < items:
                     tCrSlot[(k + self.STAGES - 1) % self.STAGES] = self.fetch(
                         mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, tCrItem, ring, ahead,
-                        first, stride, items, lane)
+                        first, stride, lane)
                     if const_expr(not self.row_in_ring):
                         self.load_row_words(mKV, tKrK, (k + self.STAGES - 1) % self.STAGES,
                                             ahead, first, stride, lane)
@@ -271,17 +268,13 @@ class KvRopeInsert:
         du.store_words(addr, tXrW)
 
     @cute.jit
-    def record_of(self, mCache: cute.Tensor, block_magic: tuple | None,
+    def record_of(self, mCache: cute.Tensor, block_magic: tuple,
                   slot: Int32) -> tuple[Int64, Int64]:
-        """(page base address, row in the page) of ``slot`` (>= 0, the same in every lane):
-        with the block size's ``block_magic`` (:func:`~cute_kernels.dsl_utils.divisor_magic`)
-        a 32-bit multiply-shift, else a 32-bit division."""
+        """(page base address, row in the page) of ``slot`` (>= 0, the same in every lane),
+        by the block size's 32-bit multiply-shift ``block_magic``
+        (:func:`~cute_kernels.dsl_utils.divisor_magic`)."""
         block_size = Int32(mCache.shape[1])
-        page_index = Int32(0)
-        if const_expr(block_magic is None):
-            page_index = slot // block_size
-        else:
-            page_index = du.divide_by_magic(slot, block_magic)
+        page_index = du.divide_by_magic(slot, block_magic)
         page = mCache.iterator.toint() + Int64(page_index) * mCache.stride[0]
         return page, Int64(slot - page_index * block_size)
 
@@ -300,16 +293,15 @@ class KvRopeInsert:
     @cute.jit
     def load_chunk(
         self, mSlot: cute.Tensor, mPos: cute.Tensor, tCrChunk: cute.Tensor, lane: Int32,
-        chunk_start: Int32, first: Int32, stride: Int32, items: Int32,
+        chunk_start: Int32, first: Int32, stride: Int32,
     ) -> None:
         """Lane L loads (slot, position) of this warp's item ``chunk_start + L`` into
         ``tCrChunk`` (slot -1 past the warp's last item): plain loads, used when the fetches
         reach that chunk."""
-        item = chunk_start + lane
+        token = first + (chunk_start + lane) * stride
         tCrChunk[0] = Int64(-1)
         tCrChunk[1] = Int64(0)
-        if item < items:
-            token = first + item * stride
+        if token < mSlot.shape[0]:
             tCrChunk[0] = mSlot[token]
             tCrChunk[1] = mPos[token]
 
@@ -317,7 +309,7 @@ class KvRopeInsert:
     def fetch(
         self, mKV: cute.Tensor, mSlot: cute.Tensor, mPos: cute.Tensor, mCosSin: cute.Tensor,
         mCache: cute.Tensor, tCrChunk: cute.Tensor, tCrItem: cute.Tensor, ring: Int32,
-        item: Int32, first: Int32, stride: Int32, items: Int32, lane: Int32,
+        item: Int32, first: Int32, stride: Int32, lane: Int32,
     ) -> Int32:
         """Start the copies of item ``item``'s inputs into ring stage ``item % STAGES``: the
         kv row where the ring holds it (each instruction 512 contiguous bytes: whole
@@ -344,7 +336,7 @@ class KvRopeInsert:
             # in [0, the cache's slot count < 2^31 (validated)) or -1: one 32-bit shuffle a slot
             tCrItem[0] = Int32(cutlass.select_(in_range, slot_ahead, Int64(-1)))
             tCrItem[1] = Int32(position_ahead)  # in [0, max_pos) where it is used
-            self.load_chunk(mSlot, mPos, tCrChunk, lane, item + 32, first, stride, items)
+            self.load_chunk(mSlot, mPos, tCrChunk, lane, item + 32, first, stride)
         slot = cute.arch.shuffle_sync(tCrItem[0], offset=item % 32)
         position = cute.arch.shuffle_sync(tCrItem[1], offset=item % 32)
         cs_lane = lane - (32 - self.CS_BYTES // 16)
