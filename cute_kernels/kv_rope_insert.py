@@ -49,6 +49,10 @@ ALIGN = {"kv": VECTOR_BYTES, "k_cache": VECTOR_BYTES, "slot_mapping": 8, "positi
 #: The most slots a cache may hold: a slot is an int32 in the kernel (2^31 records of 512+
 #: bytes would be a 1 TiB cache).
 MAX_SLOTS = 2**31 - 1
+#: The most rows one call inserts: the kernel counts them in 32 bits, and a warp tests the tokens
+#: of its next chunk (up to 64 grid strides ahead) before it knows its item count (2^30 rows of
+#: kv would be 1 TiB).
+MAX_TOKENS = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -575,6 +579,9 @@ def kv_rope_insert(
     expect_index(slot_mapping, "slot_mapping", torch.int64, device, "kv")
     if slot_mapping.shape[0] > kv.shape[0]:
         fail("slot_mapping", f"at most {kv.shape[0]} entries (kv rows)", slot_mapping.shape[0])
+    if slot_mapping.shape[0] > MAX_TOKENS:
+        fail("slot_mapping", f"at most {MAX_TOKENS} entries (the kernel counts rows in 32 bits)",
+             slot_mapping.shape[0])
     expect_index(positions, "positions", torch.int64, device, "kv", kv.shape[0],
                  "one per kv row")
 

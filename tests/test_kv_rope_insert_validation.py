@@ -189,6 +189,19 @@ def test_cache_of_2_31_slots(fmt):
     assert check_kv_rope_insert(**_args("meta", fmt, k_cache=cache(1, odd), block_size=odd)) is None
 
 
+def test_more_than_2_30_rows():
+    """The kernel counts rows in 32 bits: a call of 2^30 + 1 slots (meta: 1 TiB of kv) is
+    refused, one of 2^30 is not."""
+    def rows(count):
+        return dict(kv=torch.empty(count, 512, dtype=torch.bfloat16, device="meta"),
+                    slot_mapping=torch.empty(count, dtype=torch.int64, device="meta"),
+                    positions=torch.empty(count, dtype=torch.int64, device="meta"))
+
+    _rejects(_args("meta", **rows(2**30 + 1)), "slot_mapping", "at most 1073741824 entries",
+             "got 1073741825")
+    assert check_kv_rope_insert(**_args("meta", **rows(2**30))) is None
+
+
 def test_kernel_needs_cuda_tensors():
     with pytest.raises(LayoutError, match="kv: expected a CUDA tensor, got device cpu"):
         cute_kernels.kv_rope_insert(**_args("cpu"))
