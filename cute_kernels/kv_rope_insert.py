@@ -194,10 +194,8 @@ class KvRopeInsert:
         # divisor_magic's) come after the first copies are on their way.
         for ahead in cutlass.range_constexpr(self.STAGES - 1):
             if first + ahead * stride < num_slots:
-                tCrSlot[ahead] = self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk,
-                                            tCrItem, ring, ahead, first, stride, lane)
-                if const_expr(not self.row_in_ring):
-                    self.load_row_words(mKV, tKrK, ahead, ahead, first, stride, lane)
+                self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, tCrItem, tCrSlot, tKrK,
+                           ring, ahead, ahead, first, stride, lane)
             du.cp_async_commit()
         items = cutlass.select_(first < num_slots, (num_slots - 1 - first) // stride + 1, 0)
         # Once per thread, while those copies are in flight: the block size's multiply-shift
@@ -210,13 +208,10 @@ class KvRopeInsert:
             for k in cutlass.range_constexpr(self.STAGES):
                 i = base + k
                 ahead = i + self.STAGES - 1
-                if ahead < items:
-                    tCrSlot[(k + self.STAGES - 1) % self.STAGES] = self.fetch(
-                        mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, tCrItem, ring, ahead,
-                        first, stride, lane)
-                    if const_expr(not self.row_in_ring):
-                        self.load_row_words(mKV, tKrK, (k + self.STAGES - 1) % self.STAGES,
-                                            ahead, first, stride, lane)
+                if ahead < items:  # base is a multiple of STAGES: ahead's stage is static
+                    self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, tCrItem, tCrSlot,
+                               tKrK, ring, (k + self.STAGES - 1) % self.STAGES, ahead, first,
+                               stride, lane)
                 du.cp_async_commit()  # one group per item: group i is the oldest pending
                 if i < items:
                     du.cp_async_wait(self.STAGES - 1)
@@ -312,17 +307,20 @@ class KvRopeInsert:
     @cute.jit
     def fetch(
         self, mKV: cute.Tensor, mSlot: cute.Tensor, mPos: cute.Tensor, mCosSin: cute.Tensor,
-        mCache: cute.Tensor, tCrChunk: cute.Tensor, tCrItem: cute.Tensor, ring: Int32,
+        mCache: cute.Tensor, tCrChunk: cute.Tensor, tCrItem: cute.Tensor,
+        tCrSlot: cute.Tensor, tKrK: cute.Tensor | None, ring: Int32, stage_index: int,
         item: Int32, first: Int32, stride: Int32, lane: Int32,
-    ) -> Int32:
-        """Start the copies of item ``item``'s inputs into ring stage ``item % STAGES``: the
-        kv row where the ring holds it (each instruction 512 contiguous bytes: whole
-        sectors) and, for a slot that is written, its cos/sin row. Returns the slot (from the
-        chunk registers, checked: -1 when the row is skipped), the same in every lane."""
-        stage = ring + (item % self.STAGES) * self.stage_bytes
+    ) -> None:
+        """Start the loads of item ``item``'s inputs into stage ``stage_index`` (``item %
+        STAGES``, static) of the rings: the kv row into the shared ring where it is held there
+        (each instruction 512 contiguous bytes: whole sectors), for a slot that is written its
+        cos/sin row, and the row's words into register stage ``stage_index`` of ``tKrK``
+        where it is held there. Its slot goes to ``tCrSlot[stage_index]`` (from the chunk
+        registers, checked: -1 when the row is skipped), the same in every lane."""
+        stage = ring + stage_index * self.stage_bytes
         # the kv row first: its address needs no load (the first slots' copies start while the
         # chunk's slot/position loads are still in flight)
-        if const_expr(self.row_in_ring):  # else load_row_words
+        if const_expr(self.row_in_ring):
             row = mKV.iterator.toint() + Int64(first + item * stride) * self.ROW_BYTES
             for half in cutlass.range_constexpr(2):
                 chunk = 32 * half + lane
@@ -348,7 +346,9 @@ class KvRopeInsert:
             # the 256-byte row as is, by the last 16 lanes in one instruction (whole sectors)
             table = mCosSin.iterator.toint() + Int64(position) * (4 * ROPE_DIM)
             du.cp_async_16(self.cos_sin_row(stage) + 16 * cs_lane, table + 16 * cs_lane)
-        return slot
+        tCrSlot[stage_index] = slot
+        if const_expr(not self.row_in_ring):
+            self.load_row_words(mKV, tKrK, stage_index, item, first, stride, lane)
 
     @cute.jit
     def rotate_rope(self, stage: Int32, lane: Int32) -> None:
