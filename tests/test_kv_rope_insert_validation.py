@@ -192,10 +192,9 @@ def test_cache_of_2_31_slots(fmt):
 def test_more_than_2_30_rows():
     """The kernel counts rows in 32 bits: a call of 2^30 + 1 slots (meta: 1 TiB of kv) is
     refused, one of 2^30 is not."""
-    def rows(count):
-        return dict(kv=torch.empty(count, 512, dtype=torch.bfloat16, device="meta"),
-                    slot_mapping=torch.empty(count, dtype=torch.int64, device="meta"),
-                    positions=torch.empty(count, dtype=torch.int64, device="meta"))
+    def rows(count):  # the case's kv, slot_mapping and positions, with `count` rows
+        return {name: lambda args, name=name: args[name].new_empty((count, *args[name].shape[1:]))
+                for name in ("kv", "slot_mapping", "positions")}
 
     _rejects(_args("meta", **rows(2**30 + 1)), "slot_mapping", "at most 1073741824 entries",
              "got 1073741825")
