@@ -191,7 +191,8 @@ class KvRopeInsert:
         tKrK = None if self.row_in_ring else cute.make_rmem_tensor((self.STAGES * 8,), Uint32)
         num_slots = mSlot.shape[0]
         # The first items are tested by their token, not by the item count: its division (and
-        # divisor_magic's) come after the first copies are on their way.
+        # divisor_magic's) need not precede the first loads (ptxas puts the division in the
+        # shadow of the chunk's slot/position loads).
         for ahead in cutlass.range_constexpr(self.STAGES - 1):
             if first + ahead * stride < num_slots:
                 self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, tCrItem, tCrSlot, tKrK,
@@ -318,8 +319,9 @@ class KvRopeInsert:
         where it is held there. Its slot goes to ``tCrSlot[stage_index]`` (from the chunk
         registers, checked: -1 when the row is skipped), the same in every lane."""
         stage = ring + stage_index * self.stage_bytes
-        # the kv row first: its address needs no load (the first slots' copies start while the
-        # chunk's slot/position loads are still in flight)
+        # the kv row first: its address needs no load (but in the prologue ptxas places these
+        # copies after the first use of the chunk's slot/position loads: PERF.md, "The first
+        # copies in the SASS")
         if const_expr(self.row_in_ring):
             row = mKV.iterator.toint() + Int64(first + item * stride) * self.ROW_BYTES
             for half in cutlass.range_constexpr(2):
