@@ -40,15 +40,26 @@ def test_kv_rope_insert_argument_order_matches_vllm():
 
 
 def test_precompile_then_strict(monkeypatch, tmp_path):
+    """A process that starts from a precompiled disk cache (its memory empty) gets every
+    precompiled key from the disk in strict mode, and a key nobody precompiled raises."""
     monkeypatch.setenv("CUTE_KERNELS_CACHE_DIR", str(tmp_path))
-    cute_kernels.precompile(arch="sm_100a", kernels=["kv_rope_insert"])
-    stats = cute_kernels.cache_stats()
     cache = compile_cache.families()["kv_rope_insert"]
+    # (each step from an empty memory: a key this process already holds is not looked up on
+    # the disk, so precompile would not write it there)
+    monkeypatch.setattr(cache, "_compiled", {})
+    cute_kernels.precompile(arch="sm_100a", kernels=["kv_rope_insert"])
+    monkeypatch.setattr(cache, "_compiled", {})  # a fresh process: nothing in memory
+    stats = cute_kernels.cache_stats()
     cute_kernels.set_strict(True)
     try:
-        for key in cache.variants("sm_100a"):  # warm: no compile, no error
+        keys = cache.variants("sm_100a")
+        for key in keys:  # from the disk: no compile, no error
             cache.get(key)
-        assert cute_kernels.cache_stats()["compiles"] == stats["compiles"]
+        after = cute_kernels.cache_stats()
+        assert after["compiles"] == stats["compiles"]
+        assert after["disk_hits"] == stats["disk_hits"] + len(keys)
+        with pytest.raises(cute_kernels.StrictModeError):
+            cache.get(cache.variants("sm_90a")[0])  # not precompiled
     finally:
         cute_kernels.set_strict(False)
 

@@ -93,14 +93,44 @@ def _record_bytes(case, slots: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+def _skip_reasons(case) -> list[str | None]:
+    """Token by token, from the spec's rule ("Inputs") and not from the reference: None for a
+    token that writes its record, else why it does not."""
+    requests, columns = case.block_table.shape
+    slots = case.k_cache.shape[0] * case.k_cache.shape[1]
+    reasons = []
+    for t in range(case.positions.shape[0]):
+        p = int(case.positions[t])
+        req = int(case.token_to_req[t])
+        kv_slot = int(case.kv_slot_mapping[t])
+        if int(case.slot_mapping[t]) < 0 or kv_slot < 0:
+            reasons.append("negative slot")
+        elif (p + 1) % 128 != 0:
+            reasons.append("not on a boundary")
+        elif not 0 <= req < requests:
+            reasons.append("request")
+        elif not 127 <= p < 8 * columns:
+            reasons.append("window")
+        elif p - 127 >= case.cos_sin_cache.shape[0]:
+            reasons.append("cos/sin row")
+        elif kv_slot >= slots:
+            reasons.append("record slot")
+        else:
+            reasons.append(None)
+    return reasons
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_only_boundary_tokens_with_both_slots_write(fmt):
-    """Every changed byte lies in the record of a boundary token with both slots, and most of
-    those records' bytes change (a byte may keep the poison's value by chance)."""
+    """Every changed byte lies in the record of a boundary token with both slots (told token
+    by token from the spec's rule), and most of those records' bytes change (a byte may keep
+    the poison's value by chance)."""
     case = make_case(fmt, 77, 2, "cpu")
+    writes = torch.tensor([r is None for r in _skip_reasons(case)])
+    assert torch.equal(case.boundary, writes)
     reference.compress_c128(*case.args())
     changed = case.backing.view(torch.uint8).flatten() != POISON
-    footprint = _record_bytes(case, case.kv_slot_mapping[case.boundary])
+    footprint = _record_bytes(case, case.kv_slot_mapping[writes])
     assert not bool((changed & ~footprint).any())
     assert int(changed.sum()) > 0.9 * int(footprint.sum())
     assert int(case.boundary.sum()) < int(((case.positions + 1) % 128 == 0).sum())  # some skipped
@@ -217,10 +247,12 @@ def _new(t, shape, dtype=None, stride=None):
 
 
 def _rejects(args, *fragments):
+    """The LayoutError blames the argument ``fragments[0]`` and holds the other fragments."""
     with pytest.raises(LayoutError) as err:
         check_compress_c128(**args)
     msg = str(err.value)
-    assert all(f in msg for f in fragments) and "expected" in msg, msg
+    assert msg.startswith(f"{fragments[0]}: expected"), msg
+    assert all(f in msg for f in fragments[1:]) and "got" in msg, msg
 
 
 REJECTIONS = {
@@ -350,10 +382,13 @@ def test_out_of_range_indices(fmt):
     record slots -1 and the block table clamped, and the guard page behind the cache keeps
     its poison."""
     case = make_case(fmt, 600, 2, "cpu", seed=9, out_of_range=True)
-    on_boundary = ((case.slot_mapping >= 0) & (case.kv_slot_mapping >= 0)
-                   & ((case.positions + 1) % 128 == 0))
-    skipped = on_boundary & ~case.boundary
-    assert int(skipped.sum()) >= 8 and int(case.boundary.sum()) >= 20
+    reasons = _skip_reasons(case)
+    assert torch.equal(case.boundary, torch.tensor([r is None for r in reasons]))
+    for kind in ("request", "window", "cos/sin row", "record slot"):
+        assert reasons.count(kind) >= 2, kind  # each way out of range is exercised
+    skipped = torch.tensor([r not in (None, "negative slot", "not on a boundary")
+                            for r in reasons])
+    assert int(case.boundary.sum()) >= 20
     num_pages = case.state_cache.shape[0]
     outside = (case.block_table < 0) | (case.block_table >= num_pages)
     assert bool(outside.any())

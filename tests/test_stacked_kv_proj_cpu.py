@@ -113,17 +113,24 @@ def test_k_heads_have_unit_rms_before_the_weight():
     torch.testing.assert_close(rms, torch.ones_like(rms), rtol=1e-2, atol=1e-2)
 
 
+def _untouched(case) -> bool:
+    """Every byte of ``case``'s caches outside its written rows still holds the poison (the
+    comparison's reference side is the caches themselves: only its poison test is asked)."""
+    return compare(case, case.k_caches, case.v_caches, assert_close=False).untouched_equal
+
+
 def test_skipped_rows_stay_untouched():
+    """Rows 2, 5, ..., 38 skip: the written rows hold the float64 first-principles values and
+    every other byte keeps the poison."""
     case = make_case(40, skip_every=3)
-    kb, vb, kc, vc = case.twin()
     ref.stacked_kv_proj(*case.args())
     rows, slots = case.written_rows()
-    assert rows.numel() == 40 - len(range(2, 40, 3))  # rows 2, 5, ..., 38
-    # The twin, written by a second reference run: every row not written still holds the
-    # poison in both (untouched_equal), and the reference is deterministic (max_ulp == 0).
-    ref.stacked_kv_proj(*case.args(kc, vc))
-    result = compare(case, kc, vc)
-    assert result.untouched_equal and result.max_ulp == 0
+    assert rows.numel() == 40 - len(range(2, 40, 3))
+    ks, vs, _ = float64_outputs(case)
+    for layer in range(case.num_layers):
+        for got_c, want in ((case.k_caches[layer], ks[layer]), (case.v_caches[layer], vs[layer])):
+            torch.testing.assert_close(got_c[slots].double(), want, rtol=2e-2, atol=2e-2)
+    assert _untouched(case)
 
 
 
@@ -229,12 +236,14 @@ def _args(device, **overrides):
 
 
 def _rejects(args, *fragments):
+    """The LayoutError blames the argument ``fragments[0]`` and holds the other fragments."""
     with pytest.raises(LayoutError) as err:
         check_stacked_kv_proj(**args)
     msg = str(err.value)
-    for fragment in fragments:
+    assert msg.startswith(f"{fragments[0]}: expected"), msg
+    for fragment in fragments[1:]:
         assert fragment in msg, msg
-    assert "expected" in msg and "got" in msg, msg
+    assert "got" in msg, msg
 
 
 def _like(t, shape=None, dtype=None, stride=None):
@@ -940,7 +949,7 @@ def test_reference_out_of_range_indices_write_nothing():
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
         guard = got.view(torch.uint8)[cache.shape[0] * cache.stride(0) * 2:]
         assert guard.numel() > 0 and bool((guard == POISON).all())
-    assert compare(case, case.k_caches, case.v_caches).untouched_equal
+    assert _untouched(case)
 
 
 def test_a_one_token_case_writes_its_row():
