@@ -3,11 +3,14 @@ specs/compress_c128.md."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
 import cute_kernels
 from cute_kernels.compress_c128 import CORE_ENV, CORES
+from cute_kernels.compress_c128.interface import KERNELS
 from cute_kernels.layouts import C128_FORMATS
 from cute_kernels.testing import c128_mismatch
 from cute_kernels.testing import compress_c128_case as make_case
@@ -124,12 +127,16 @@ def test_cores_write_the_same_bytes(fmt, num_tokens, monkeypatch):
     case = make_case(fmt, num_tokens, 2, "cuda", seed=num_tokens + 1,
                      boundary_every=None if num_tokens <= 2 else 3)
     written = []
-    for core in CORES:
-        monkeypatch.setenv(CORE_ENV, core)
-        case.backing.view(torch.uint8).fill_(0xA5)
-        cute_kernels.compress_c128(*case.args())
-        torch.cuda.synchronize()
-        written.append(case.backing.view(torch.uint8).clone())
+    cute_kernels.compress_c128.forget_layouts()  # each call then asks for its compiled function
+    with mock.patch.object(KERNELS, "get", wraps=KERNELS.get) as lookups:
+        for core in CORES:
+            monkeypatch.setenv(CORE_ENV, core)
+            case.backing.view(torch.uint8).fill_(0xA5)
+            cute_kernels.compress_c128(*case.args())
+            torch.cuda.synchronize()
+            written.append(case.backing.view(torch.uint8).clone())
+    assert {call.args[0].core for call in lookups.call_args_list} == set(CORES)
+    assert bool((written[0] != 0xA5).any())
     assert torch.equal(written[0], written[1])
 
 

@@ -19,11 +19,14 @@ config is also forced at two sizes.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
 import cute_kernels
 from cute_kernels import reference, stacked_kv_proj
+from cute_kernels.stacked_kv_proj.interface import KERNELS
 from cute_kernels.stacked_kv_proj.plan import (
     CTAS_ENV,
     HANDOVER_ENV,
@@ -35,6 +38,7 @@ from cute_kernels.stacked_kv_proj.plan import (
     tiles_for,
     variants_for,
 )
+from cute_kernels.testing import POISON
 from cute_kernels.testing import compare_stacked as compare
 from cute_kernels.testing import stacked_kv_proj_case as make_case
 
@@ -345,12 +349,17 @@ def test_hand_overs_agree_bitwise(tokens, splits, monkeypatch):
     monkeypatch.setenv(SPLITS_ENV, str(splits))
     case = make_case(tokens, 2048, 2, 1, 128, "cuda", bias=True, seed=tokens)
     results = []
-    for handover in ("cluster", "workspace"):
-        monkeypatch.setenv(HANDOVER_ENV, handover)
-        case.poison()
-        stacked_kv_proj(*case.args())
-        torch.cuda.synchronize()
-        results.append([b.clone() for b in (*case.k_backings, *case.v_backings)])
+    stacked_kv_proj.forget_layouts()  # each call then asks for its compiled function
+    with mock.patch.object(KERNELS, "get", wraps=KERNELS.get) as lookups:
+        for handover in ("cluster", "workspace"):
+            monkeypatch.setenv(HANDOVER_ENV, handover)
+            case.poison()
+            stacked_kv_proj(*case.args())
+            torch.cuda.synchronize()
+            results.append([b.clone() for b in (*case.k_backings, *case.v_backings)])
+    keys = {call.args[0] for call in lookups.call_args_list}
+    assert len(keys) == 2  # each hand-over its own compiled variant
+    assert any(bool((b.view(torch.uint8) != POISON).any()) for b in results[0])
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
@@ -376,6 +385,7 @@ def test_bitwise_deterministic(schedule, n_kv, monkeypatch):
         stacked_kv_proj(*case.args())
         torch.cuda.synchronize()
         results.append([b.clone() for b in (*case.k_backings, *case.v_backings)])
+    assert any(bool((b.view(torch.uint8) != POISON).any()) for b in results[0])
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True))
 
