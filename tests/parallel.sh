@@ -4,19 +4,23 @@
 # on one core (over 10 minutes); the tests are dealt round robin over the processes, so each
 # file's variants compile on all cores at once (the disk cache's lock builds each variant
 # once). Prints every process's log, then the counts summed as one run would give them; the
-# exit status is the worst process's. A run that collects no test passes.
+# exit status is the worst process's. A run that collects no test fails, unless pytest options
+# were given (a -k that selects nothing passes, and says so).
 set -uo pipefail
 python=$1 jobs=$2
 shift 2  # the rest: pytest options (PYTEST_ARGS)
 cd "$(dirname "$0")/.."
-passed_if_empty() {  # pytest's exit status, with "no test collected" (5) a pass
+passed_if_empty() {  # pytest's exit status; "no test collected" (5) a pass only with options
   local rc=$1
-  [ "$rc" -eq 5 ] && { echo "pytest collected no tests"; rc=0; }
+  if [ "$rc" -eq 5 ]; then
+    echo "pytest collected no tests"
+    [ $# -gt 1 ] && rc=0
+  fi
   return "$rc"
 }
 if [ "$jobs" -le 1 ]; then
   "$python" -m pytest -q -rs "$@" tests
-  passed_if_empty $?
+  passed_if_empty $? "$@"
   exit
 fi
 work=$(mktemp -d)
@@ -25,7 +29,7 @@ trap 'rm -rf "$work"' EXIT
 rc=$?
 if [ $rc -ne 0 ]; then
   cat "$work/collected"
-  passed_if_empty $rc
+  passed_if_empty $rc "$@"
   exit
 fi
 grep '::' "$work/collected" | awk -v n="$jobs" -v dir="$work" '{print > (dir "/shard" (NR - 1) % n)}'
