@@ -167,19 +167,35 @@ def test_record_comparison_accepts_the_reference_and_names_a_wrong_record(fmt):
     assert c128_mismatch(case, stray) == "bytes outside the records changed"
 
 
+def _rotated(case, token: int, y: torch.Tensor) -> torch.Tensor:
+    """``y`` with its dims 448..511 rotated pair by pair (GPT-J: dims 448 + 2j, 449 + 2j) at
+    the window's first position, in float64."""
+    table = case.cos_sin_cache[int(case.positions[token]) - 127].double()
+    cos, sin = table[:32], table[32:]
+    even, odd = y[448::2], y[449::2]
+    out = y.clone()
+    out[448::2] = even * cos - odd * sin
+    out[449::2] = even * sin + odd * cos
+    return out
+
+
 def test_full_caches_hold_the_rounded_values():
+    """Every boundary token's record of a full cache, all 512 dims, from a row-by-row float64
+    computation: the bf16 cache the rounded values, the fp8 cache their e4m3 codes."""
     for fmt in ("bf16", "fp8"):
         case = make_case(fmt, 20, 64, "cpu")
         reference.compress_c128(*case.args())
-        token = int(torch.nonzero(case.boundary).flatten()[0])
-        slot = int(case.kv_slot_mapping[token])
-        row = case.k_cache[slot // 64, slot % 64].double()
-        y = _window_loop(case, token)
-        if fmt == "bf16":
-            torch.testing.assert_close(row[:448], y[:448].to(torch.bfloat16).double())
-        else:
-            want = (y[:448].to(torch.bfloat16).double() / 0.05).clamp(-448, 448)
-            assert bool(((row[:448] - want).abs() <= want.abs() * 2**-4 + 2**-9).all())
+        tokens = torch.nonzero(case.boundary).flatten().tolist()
+        assert len(tokens) >= 3
+        for token in tokens:
+            slot = int(case.kv_slot_mapping[token])
+            row = case.k_cache[slot // 64, slot % 64].double()
+            v = _rotated(case, token, _window_loop(case, token)).to(torch.bfloat16).double()
+            if fmt == "bf16":
+                torch.testing.assert_close(row, v)
+            else:
+                want = (v / 0.05).clamp(-448, 448)
+                assert bool(((row - want).abs() <= want.abs() * 2**-4 + 2**-9).all())
 
 
 def _meta_key(tokens: int) -> CompressC128Key:
