@@ -280,6 +280,87 @@ def test_sglang_params_are_cached_per_model():
     assert params is first and reason is None
 
 
+def _stacked_from_layers(model) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The layers' K/V rows, biases and k-norm weights as they are now, stacked."""
+    attns = [layer.self_attn for layer in model.layers]
+    rows = [slice(a.q_size, a.q_size + 2 * a.kv_size) for a in attns]
+    weight = torch.cat([a.qkv_proj.weight[r] for a, r in zip(attns, rows, strict=True)])
+    bias = None
+    if attns[0].qkv_proj.bias is not None:
+        bias = torch.cat([a.qkv_proj.bias[r] for a, r in zip(attns, rows, strict=True)])
+    return weight, bias, torch.stack([a.k_norm.weight for a in attns]).float()
+
+
+def test_sglang_refresh_copies_updated_weights_into_the_same_storage():
+    """After an in-place weight sync the cached parameters are stale until refreshed; the
+    refresh writes the new values into the same tensors (a captured graph's pointers stay
+    valid) and takes a new eps."""
+    model = drafter(stacked_case(9, num_layers=3, bias=True))
+    params, _ = sglang.stacked_ctx_kv_params(model)
+    pointers = (params.weight.data_ptr(), params.bias.data_ptr(),
+                params.k_norm_weight.data_ptr())
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.qkv_proj.weight.mul_(2)
+            layer.self_attn.qkv_proj.bias.add_(1)
+            layer.self_attn.k_norm.weight.mul_(-1)
+            layer.self_attn.k_norm.variance_epsilon = 1e-3
+    weight, bias, k_norm = _stacked_from_layers(model)
+    assert not torch.equal(sglang.stacked_ctx_kv_params(model)[0].weight, weight)  # stale
+    fresh, reason = sglang.refresh_stacked_ctx_kv_params(model)
+    assert reason is None and sglang.stacked_ctx_kv_params(model)[0] is fresh
+    assert (fresh.weight.data_ptr(), fresh.bias.data_ptr(),
+            fresh.k_norm_weight.data_ptr()) == pointers
+    assert torch.equal(fresh.weight, weight) and torch.equal(fresh.bias, bias)
+    assert torch.equal(fresh.k_norm_weight, k_norm) and fresh.eps == 1e-3
+
+
+def test_sglang_refresh_of_a_prestacked_weight():
+    """A caller's pre-stacked weight stays the caller's: the refresh checks it against the
+    layers again (a stale one raises) and refreshes the k-norm copy in place."""
+    case = stacked_case(9, num_layers=2)
+    model = drafter(case)
+    stacked = case.weight.clone()
+    params, _ = sglang.stacked_ctx_kv_params(model, weight=stacked)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.qkv_proj.weight.mul_(2)
+            layer.self_attn.k_norm.weight.mul_(3)
+    with pytest.raises(LayoutError, match=r"^weight: expected rows \[0, "):
+        sglang.refresh_stacked_ctx_kv_params(model)  # the caller has not restacked yet
+    stacked.mul_(2)
+    fresh, reason = sglang.refresh_stacked_ctx_kv_params(model)
+    assert reason is None and fresh.weight is stacked
+    assert fresh.k_norm_weight.data_ptr() == params.k_norm_weight.data_ptr()
+    assert torch.equal(fresh.k_norm_weight, _stacked_from_layers(model)[2])
+
+
+def test_sglang_rebuilt_parameters_stay_allocated():
+    """Parameters a rebuild replaces (a new pre-stacked weight; a refresh whose shapes
+    changed) are kept alive: a graph captured with them still reads them."""
+    case = stacked_case(9, num_layers=2)
+    model = drafter(case)
+    copied, _ = sglang.stacked_ctx_kv_params(model)
+    gone = weakref.ref(copied.weight)
+    prestacked, _ = sglang.stacked_ctx_kv_params(model, weight=case.weight.clone())
+    del copied
+    gc.collect()
+    assert gone() is not None and any(p.weight is gone() for p in sglang._RETIRED)
+    for layer in model.layers:  # the drafter grows a bias: a new shape of parameters
+        qkv = layer.self_attn.qkv_proj
+        qkv.bias = nn.Parameter(torch.zeros(qkv.weight.shape[0], dtype=qkv.weight.dtype),
+                                requires_grad=False)
+    fresh, reason = sglang.refresh_stacked_ctx_kv_params(model)
+    assert reason is None and fresh.bias is not None and fresh is not prestacked
+    assert any(p is prestacked for p in sglang._RETIRED)
+
+
+def test_sglang_refresh_without_an_entry_builds_one():
+    model = drafter(stacked_case(9))
+    params, reason = sglang.refresh_stacked_ctx_kv_params(model)
+    assert reason is None and sglang.stacked_ctx_kv_params(model)[0] is params
+
+
 def test_sglang_cache_does_not_keep_the_model_alive():
     model = drafter(stacked_case(9))
     assert sglang.stacked_ctx_kv_params(model)[1] is None

@@ -267,6 +267,10 @@ class _Entry:
 # Per model, for its lifetime only (a weak key: the cache never keeps a drafter alive; the
 # entries hold tensors, never the model's modules).
 _ENTRIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Parameters an entry held before a rebuild replaced them: kept for the process's lifetime, as
+# a CUDA graph captured with them reads their storage at every replay (the op's workspaces are
+# kept the same way).
+_RETIRED: list[StackedCtxKvParams] = []
 
 
 def _weight_key(weight: torch.Tensor | None) -> tuple | None:
@@ -275,15 +279,34 @@ def _weight_key(weight: torch.Tensor | None) -> tuple | None:
     return (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype, weight.device)
 
 
-def _entry(model: nn.Module, weight: torch.Tensor | None) -> _Entry:
+def _cached(model: nn.Module) -> _Entry | None:
     try:
-        entry = _ENTRIES.get(model)
+        return _ENTRIES.get(model)
     except TypeError:
         fail("model", "an object that supports weak references (an nn.Module)", describe(model))
+
+
+def _replace(model: nn.Module, old: _Entry | None, new: _Entry) -> _Entry:
+    if old is not None and old.params is not None and old.params is not new.params:
+        _RETIRED.append(old.params)
+    _ENTRIES[model] = new
+    return new
+
+
+def _entry(model: nn.Module, weight: torch.Tensor | None) -> _Entry:
+    entry = _cached(model)
     if entry is None or (weight is not None and _weight_key(weight) != entry.weight_key):
-        entry = _Entry(*_build(model, weight), _weight_key(weight))
-        _ENTRIES[model] = entry
+        entry = _replace(model, entry, _Entry(*_build(model, weight), _weight_key(weight)))
     return entry
+
+
+def _same_storage_layout(a: StackedCtxKvParams, b: StackedCtxKvParams) -> bool:
+    """Whether ``b``'s tensors fit ``a``'s storage: the same shapes, dtypes and devices."""
+    def meta(t: torch.Tensor | None) -> tuple | None:
+        return None if t is None else (tuple(t.shape), t.dtype, t.device)
+
+    return all(meta(x) == meta(y) for x, y in ((a.weight, b.weight), (a.bias, b.bias),
+                                                (a.k_norm_weight, b.k_norm_weight)))
 
 
 def stacked_ctx_kv_params(
@@ -311,8 +334,9 @@ def stacked_ctx_kv_params(
 
     The copies (weight unless given, bias ``[L*2*kv]``, fp32 k-norm weight ``[L, D]``) are taken
     once, so they are stale after an in-place weight update (an RL weight sync), like
-    SGLang's. The RoPE table is not copied: :func:`write_target_hidden_kv` reads layer 0's
-    ``rotary_emb.cos_sin_cache`` at every call (SGLang may rebind it to a longer table).
+    SGLang's: call :func:`refresh_stacked_ctx_kv_params` after one. The RoPE table is not
+    copied: :func:`write_target_hidden_kv` reads layer 0's ``rotary_emb.cos_sin_cache`` at
+    every call (SGLang may rebind it to a longer table).
 
     The first call (the build) allocates, and compares tables and a given ``weight`` on the
     device: make it before CUDA-graph capture. Missing attributes (and the RoPE layouts neither
@@ -320,6 +344,40 @@ def stacked_ctx_kv_params(
     """
     entry = _entry(model, weight)
     return entry.params, entry.reason
+
+
+def refresh_stacked_ctx_kv_params(
+    model: nn.Module,
+) -> tuple[StackedCtxKvParams | None, str | None]:
+    """Rebuild ``model``'s cached stacked parameters from its layers after their weights,
+    biases, k-norm weights or eps changed in place (an RL weight sync, ``load_weights``): what
+    SGLang's ``refresh_derived_weight_caches`` does for its own stack. Returns what
+    :func:`stacked_ctx_kv_params` returns from then on.
+
+    Where the stacked shapes did not change, the new values are copied into the cached tensors'
+    own storage, so a CUDA graph captured before replays with them. The eps is a kernel
+    argument, which a graph captures by value: re-capture after an eps change. A pre-stacked
+    ``weight`` given to :func:`stacked_ctx_kv_params` is the caller's to update; it is compared
+    with the layers again (a :class:`~cute_kernels.LayoutError` if it no longer holds their
+    rows), and the bias and k-norm copies are refreshed. Where the shapes or the decision
+    changed, the entry is rebuilt; the tensors it replaces stay allocated (for graphs captured
+    with them). A model without a cached entry is built as by :func:`stacked_ctx_kv_params`.
+    The rebuild allocates and compares on the device: not during graph capture."""
+    entry = _cached(model)
+    if entry is None:
+        return stacked_ctx_kv_params(model)
+    old = entry.params
+    given = old.weight if old is not None and entry.weight_key is not None else None
+    params, reason = _build(model, given)
+    if old is not None and params is not None and _same_storage_layout(old, params):
+        with torch.no_grad():
+            for kept, fresh in ((old.weight, params.weight), (old.bias, params.bias),
+                                (old.k_norm_weight, params.k_norm_weight)):
+                if kept is not None and kept is not fresh:
+                    kept.copy_(fresh)
+        params = dataclasses.replace(old, eps=params.eps)
+    fresh_entry = _replace(model, entry, _Entry(params, reason, _weight_key(given)))
+    return fresh_entry.params, fresh_entry.reason
 
 
 def _write_per_layer(
@@ -426,5 +484,5 @@ def write_target_hidden_kv(
     return reason
 
 
-__all__ = ["FORCED_FALLBACK", "StackedCtxKvParams", "stacked_ctx_kv_params",
-           "write_target_hidden_kv"]
+__all__ = ["FORCED_FALLBACK", "StackedCtxKvParams", "refresh_stacked_ctx_kv_params",
+           "stacked_ctx_kv_params", "write_target_hidden_kv"]
