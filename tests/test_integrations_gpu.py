@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_integrations_cpu import (
     FORMATS,
+    _stacked_from_layers,
     assert_same_bytes,
     assert_written,
     call_args,
@@ -99,6 +100,39 @@ def test_sglang_prestacked_weight_equals_the_direct_call():
     assert sglang.stacked_ctx_kv_params(model)[0].weight is case.weight
     assert_written(case)
     assert_same_bytes([*case.k_backings, *case.v_backings], [*want_k, *want_v])
+
+
+def test_sglang_graph_replays_new_rows_and_refreshed_weights():
+    """Captured once after the eager call that builds the parameters; replayed with new
+    context rows, then after an in-place weight sync and ``refresh_stacked_ctx_kv_params``:
+    each replay equals a direct call on the new values (the refresh writes into the storage
+    the graph captured)."""
+    case = stacked_case(64, device="cuda", norm_dtype=torch.bfloat16, bias=True)
+    model = drafter(case)
+    assert sglang.write_target_hidden_kv(model, *call_args(case)) is None
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        sglang.write_target_hidden_kv(model, *call_args(case))
+    for weight_sync in (False, True):
+        case.ctx_hidden.normal_()
+        if weight_sync:
+            with torch.no_grad():
+                for layer in model.layers:  # (the k-norm weights are views of the case's)
+                    layer.self_attn.qkv_proj.weight.mul_(0.5)
+                    layer.self_attn.qkv_proj.bias.add_(0.25)
+                    layer.self_attn.k_norm.weight.mul_(-1)
+                weight, bias, _ = _stacked_from_layers(model)
+                case.weight.copy_(weight)
+                case.bias.copy_(bias)
+            assert sglang.refresh_stacked_ctx_kv_params(model)[1] is None
+        case.poison()
+        graph.replay()
+        want_k, want_v = _direct(case)
+        torch.cuda.synchronize()
+        assert_written(case)
+        assert_same_bytes([*case.k_backings, *case.v_backings], [*want_k, *want_v])
 
 
 def test_sglang_forced_fallback_on_the_gpu_equals_the_reference():
