@@ -256,11 +256,14 @@ def ue8m0_byte(e: Int32) -> Int32:
 
 
 def abs_max(values: Any, count: int, start: Float32) -> Float32:
-    """Max of ``|values[i]|`` over ``count`` register elements, starting from ``start``."""
-    amax = start
-    for i in range(count):  # plain helper: unrolled at trace time
-        amax = cute.arch.fmax(amax, abs(values[i]))
-    return amax
+    """Max of ``|values[i]|`` over ``count`` register elements, starting from ``start``: a
+    pairwise tree (depth log2 of ``count``, not ``count``: the max is on a slot's latency
+    chain), the same value as any order (``max`` drops a NaN operand, and is exact)."""
+    level = [abs(values[i]) for i in range(count)]  # plain helper: unrolled at trace time
+    while len(level) > 1:
+        pairs = [cute.arch.fmax(level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
+        level = pairs + level[len(pairs) * 2:]
+    return cute.arch.fmax(start, level[0])
 
 
 def store_words(addr: Int64, words: Any, align: int = 16) -> None:

@@ -169,7 +169,6 @@ class KvRopeInsert:
         # PDL: nothing before this reads memory the previous kernel may still be writing.
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
-        self.load_chunk(mSlot, mPos, tCrChunk, lane, 0, first, stride)
         self.slot_loop(mKV, mSlot, mPos, mCosSin, mCache, mScale, tCrChunk, tCrItem, ring, first,
                        stride, lane)
 
@@ -193,10 +192,21 @@ class KvRopeInsert:
         # The first items are tested by their token, not by the item count: its division (and
         # divisor_magic's) need not precede the first loads (ptxas puts the division in the
         # shadow of the chunk's slot/position loads).
+        # The packed formats' first kv rows are requested before the chunk's slot/position
+        # loads: issued after them, ptxas placed the copies behind those loads' first use, so
+        # they waited for the slot round trip (SASS; 4-6 % of a cold T = 2048 call, PERF.md).
+        # bf16's and fp8's register loads moved the same way land after that first use
+        # entirely (ptxas sinks them), so they stay in fetch.
+        if const_expr(self.row_in_ring):
+            for ahead in cutlass.range_constexpr(self.STAGES - 1):
+                if first + ahead * stride < num_slots:
+                    self.copy_row(mKV, ring + ahead * self.stage_bytes, ahead, first, stride,
+                                  lane)
+        self.load_chunk(mSlot, mPos, tCrChunk, lane, 0, first, stride)
         for ahead in cutlass.range_constexpr(self.STAGES - 1):
             if first + ahead * stride < num_slots:
                 self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, tCrItem, tCrSlot, tKrK,
-                           ring, ahead, ahead, first, stride, lane)
+                           ring, ahead, ahead, first, stride, lane, copy_row=False)
             du.cp_async_commit()
         items = cutlass.select_(first < num_slots, (num_slots - 1 - first) // stride + 1, 0)
         # Once per thread, while those copies are in flight: the block size's multiply-shift
@@ -306,27 +316,33 @@ class KvRopeInsert:
             tCrChunk[1] = mPos[token]
 
     @cute.jit
+    def copy_row(self, mKV: cute.Tensor, stage: Int32, item: Int32, first: Int32,
+                 stride: Int32, lane: Int32) -> None:
+        """Item ``item``'s kv row into ``stage`` (each instruction 512 contiguous bytes: whole
+        sectors)."""
+        row = mKV.iterator.toint() + Int64(first + item * stride) * self.ROW_BYTES
+        for half in cutlass.range_constexpr(2):
+            chunk = 32 * half + lane
+            du.cp_async_16(self.row_chunk(stage, chunk), row + 16 * chunk)
+
+    @cute.jit
     def fetch(
         self, mKV: cute.Tensor, mSlot: cute.Tensor, mPos: cute.Tensor, mCosSin: cute.Tensor,
         mCache: cute.Tensor, tCrChunk: cute.Tensor, tCrItem: cute.Tensor,
         tCrSlot: cute.Tensor, tKrK: cute.Tensor | None, ring: Int32, stage_index: int,
-        item: Int32, first: Int32, stride: Int32, lane: Int32,
+        item: Int32, first: Int32, stride: Int32, lane: Int32, copy_row: bool = True,
     ) -> None:
         """Start the loads of item ``item``'s inputs into stage ``stage_index`` (``item %
         STAGES``, static) of the rings: the kv row into the shared ring where it is held there
-        (each instruction 512 contiguous bytes: whole sectors), for a slot that is written its
-        cos/sin row, and the row's words into register stage ``stage_index`` of ``tKrK``
+        (:meth:`copy_row`; not with ``copy_row=False``, the prologue's), for a slot that is
+        written its cos/sin row, and the row's words into register stage ``stage_index`` of ``tKrK``
         where it is held there. Its slot goes to ``tCrSlot[stage_index]`` (from the chunk
         registers, checked: -1 when the row is skipped), the same in every lane."""
         stage = ring + stage_index * self.stage_bytes
-        # the kv row first: its address needs no load (but in the prologue ptxas places these
-        # copies after the first use of the chunk's slot/position loads: PERF.md, "The first
-        # copies in the SASS")
-        if const_expr(self.row_in_ring):
-            row = mKV.iterator.toint() + Int64(first + item * stride) * self.ROW_BYTES
-            for half in cutlass.range_constexpr(2):
-                chunk = 32 * half + lane
-                du.cp_async_16(self.row_chunk(stage, chunk), row + 16 * chunk)
+        # the kv row first: its address needs no load (the prologue copies its first rows
+        # itself, ahead of the chunk loads: copy_row=False there)
+        if const_expr(self.row_in_ring and copy_row):
+            self.copy_row(mKV, stage, item, first, stride, lane)
         if item % 32 == 0:  # enter the next chunk, and start loading the one after it
             # Input out of range never reaches memory: a slot past the cache's last row, or a
             # position outside the cos/sin table, skips its row as a negative slot does.
