@@ -206,7 +206,7 @@ class KvRopeInsert:
         for ahead in cutlass.range_constexpr(self.STAGES - 1):
             if first + ahead * stride < num_slots:
                 self.fetch(mKV, mSlot, mPos, mCosSin, mCache, tCrChunk, tCrItem, tCrSlot, tKrK,
-                           ring, ahead, ahead, first, stride, lane, copy_row=False)
+                           ring, ahead, ahead, first, stride, lane, row_copied=True)
             du.cp_async_commit()
         items = cutlass.select_(first < num_slots, (num_slots - 1 - first) // stride + 1, 0)
         # Once per thread, while those copies are in flight: the block size's multiply-shift
@@ -330,18 +330,18 @@ class KvRopeInsert:
         self, mKV: cute.Tensor, mSlot: cute.Tensor, mPos: cute.Tensor, mCosSin: cute.Tensor,
         mCache: cute.Tensor, tCrChunk: cute.Tensor, tCrItem: cute.Tensor,
         tCrSlot: cute.Tensor, tKrK: cute.Tensor | None, ring: Int32, stage_index: int,
-        item: Int32, first: Int32, stride: Int32, lane: Int32, copy_row: bool = True,
+        item: Int32, first: Int32, stride: Int32, lane: Int32, row_copied: bool = False,
     ) -> None:
         """Start the loads of item ``item``'s inputs into stage ``stage_index`` (``item %
         STAGES``, static) of the rings: the kv row into the shared ring where it is held there
-        (:meth:`copy_row`; not with ``copy_row=False``, the prologue's), for a slot that is
+        (:meth:`copy_row`, unless the prologue has: ``row_copied``), for a slot that is
         written its cos/sin row, and the row's words into register stage ``stage_index`` of ``tKrK``
         where it is held there. Its slot goes to ``tCrSlot[stage_index]`` (from the chunk
         registers, checked: -1 when the row is skipped), the same in every lane."""
         stage = ring + stage_index * self.stage_bytes
         # the kv row first: its address needs no load (the prologue copies its first rows
-        # itself, ahead of the chunk loads: copy_row=False there)
-        if const_expr(self.row_in_ring and copy_row):
+        # itself, ahead of the chunk loads)
+        if const_expr(self.row_in_ring and not row_copied):
             self.copy_row(mKV, stage, item, first, stride, lane)
         if item % 32 == 0:  # enter the next chunk, and start loading the one after it
             # Input out of range never reaches memory: a slot past the cache's last row, or a

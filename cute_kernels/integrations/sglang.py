@@ -286,8 +286,15 @@ def _cached(model: nn.Module) -> _Entry | None:
         fail("model", "an object that supports weak references (an nn.Module)", describe(model))
 
 
+def _tensors(params: StackedCtxKvParams | None) -> tuple:
+    return () if params is None else (params.weight, params.bias, params.k_norm_weight)
+
+
 def _replace(model: nn.Module, old: _Entry | None, new: _Entry) -> _Entry:
-    if old is not None and old.params is not None and old.params is not new.params:
+    """Cache ``new`` for ``model``, retiring ``old``'s parameters unless ``new`` holds every
+    one of their tensors (a refresh in place)."""
+    kept = [id(t) for t in _tensors(new.params)]
+    if old is not None and any(id(t) not in kept for t in _tensors(old.params) if t is not None):
         _RETIRED.append(old.params)
     _ENTRIES[model] = new
     return new
@@ -305,8 +312,7 @@ def _same_storage_layout(a: StackedCtxKvParams, b: StackedCtxKvParams) -> bool:
     def meta(t: torch.Tensor | None) -> tuple | None:
         return None if t is None else (tuple(t.shape), t.dtype, t.device)
 
-    return all(meta(x) == meta(y) for x, y in ((a.weight, b.weight), (a.bias, b.bias),
-                                                (a.k_norm_weight, b.k_norm_weight)))
+    return all(meta(x) == meta(y) for x, y in zip(_tensors(a), _tensors(b), strict=True))
 
 
 def stacked_ctx_kv_params(
@@ -371,8 +377,7 @@ def refresh_stacked_ctx_kv_params(
     params, reason = _build(model, given)
     if old is not None and params is not None and _same_storage_layout(old, params):
         with torch.no_grad():
-            for kept, fresh in ((old.weight, params.weight), (old.bias, params.bias),
-                                (old.k_norm_weight, params.k_norm_weight)):
+            for kept, fresh in zip(_tensors(old), _tensors(params), strict=True):
                 if kept is not None and kept is not fresh:
                     kept.copy_(fresh)
         params = dataclasses.replace(old, eps=params.eps)
