@@ -29,6 +29,7 @@ Environment:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -42,7 +43,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -435,6 +436,67 @@ def _sweep_stale_temps_once(folder: Path) -> None:
             os.close(fd)
 
 
+def _drop(obj: Path) -> None:
+    """Remove a compiled object and its checksum sidecar (it is rebuilt)."""
+    for path in (obj, obj.with_suffix(".sha256")):
+        _unlink_quietly(path)
+
+
+def _verified(obj: Path) -> bool:
+    """Whether ``obj`` and its checksum sidecar are regular files private to this user whose
+    checksum holds. A pair that is not private (never run it) or does not match is removed;
+    missing files and squatters (not regular files) answer False and stay: the publisher
+    clears those under the key's lock."""
+    checksum = obj.with_suffix(".sha256")
+    try:
+        obj_stat = os.lstat(obj)
+        sum_stat = os.lstat(checksum)
+    except OSError:  # missing (an unreadable folder is reported by the lock step)
+        return False
+    if not (stat.S_ISREG(obj_stat.st_mode) and stat.S_ISREG(sum_stat.st_mode)):
+        return False
+    try:
+        if _private_to_user(obj_stat) and _sha256_file(obj) == checksum.read_text().strip():
+            return True
+    except (OSError, ValueError):  # unreadable, or a sidecar that is not text
+        pass
+    _drop(obj)
+    return False
+
+
+@contextlib.contextmanager
+def _key_flock(folder: Path, symbol: str) -> Iterator[bool]:
+    """Hold ``symbol``'s lock file in ``folder`` (an ``flock``: one publisher of a key across
+    processes). Yields False where it cannot be had, the reason reported (a lock that cannot
+    be opened or taken, a holder past the timeout): the caller then keeps to memory."""
+    lock_path = folder / f"{symbol}.lock"
+    try:
+        lock_fd = _open_lock(lock_path)
+    except OSError as error:
+        _disk_failure(folder, "open a lock file", error)
+        yield False
+        return
+    try:
+        timeout = lock_timeout()
+        try:
+            locked = _flock_within(lock_fd, timeout)  # another process may be writing this key
+        except OSError as error:  # e.g. ENOLCK: a filesystem without flock
+            _disk_failure(folder, "lock a key", error)
+            locked = False
+        else:
+            if not locked:
+                _count(disk_lock_timeouts=1)
+                _warn_once(
+                    (str(folder), "lock timeout"),
+                    f"cute_kernels: another process held {lock_path} for more than {timeout:g} "
+                    f"s (stuck, or compiling slowly); compiling in memory only. Set "
+                    f"{LOCK_TIMEOUT_ENV} to wait longer.",
+                )
+        yield locked
+    finally:
+        os.close(lock_fd)  # releases the flock
+
+
 class KernelCache:
     """Compiled kernels of one family, keyed by the family's frozen ``CompileKey``."""
 
@@ -450,7 +512,10 @@ class KernelCache:
         self._compiled: dict[Hashable, Callable[..., Any]] = {}
         self._key_locks: dict[Hashable, threading.Lock] = {}
         self._key_locks_guard = threading.Lock()
-        self._modules: list[Any] = []  # loaded modules and compiled objects outlive their functions
+        self._modules: list[Any] = []  # loaded modules outlive their functions
+        # this process's compiled objects by key: they own their functions' code, and precompile
+        # writes one to the disk for a key held in memory but missing there
+        self._objects: dict[Hashable, Any] = {}
         _families[family] = self
 
     def get(self, key: CompileKey) -> Callable[..., Any]:
@@ -458,9 +523,7 @@ class KernelCache:
         if fn is not None:
             _count(memory_hits=1)
             return fn
-        with self._key_locks_guard:
-            lock = self._key_locks.setdefault(key, threading.Lock())
-        with lock:
+        with self._key_lock(key):
             fn = self._compiled.get(key)
             if fn is not None:
                 _count(memory_hits=1)
@@ -470,8 +533,22 @@ class KernelCache:
             return fn
 
     def precompile(self, keys: Iterable[CompileKey]) -> None:
+        """Each key in memory and, where the disk cache is on, on the disk: a key this process
+        already holds (compiled while the disk cache was off, full or elsewhere, or its file
+        removed since) is written there too, so that a process started after it loads every key
+        precompiled (an image baked after the process's own calls holds them all)."""
         for key in keys:
-            self.get(key)
+            if key not in self._compiled:
+                self.get(key)
+                continue
+            _count(memory_hits=1)
+            with self._key_lock(key):
+                self._persist(key)
+
+    def _key_lock(self, key: CompileKey) -> threading.Lock:
+        """The lock of ``key`` among this process's threads (one compile of a key at a time)."""
+        with self._key_locks_guard:
+            return self._key_locks.setdefault(key, threading.Lock())
 
     def build(self, key: CompileKey) -> Callable[..., Any]:
         """A fresh compile that bypasses both levels (the CLI times compiles with it)."""
@@ -490,57 +567,52 @@ class KernelCache:
         fn = self._load(obj, symbol)
         if fn is not None:
             return fn
-        lock_path = folder / f"{symbol}.lock"
-        try:
-            lock_fd = _open_lock(lock_path)
-        except OSError as error:
-            _disk_failure(folder, "open a lock file", error)
-            return self._compile(key)
-        try:
-            return self._compile_and_publish(key, lock_fd, lock_path, obj, symbol)
-        finally:
-            os.close(lock_fd)  # releases the flock
+        with _key_flock(folder, symbol) as locked:
+            if not locked:
+                return self._compile(key)
+            fn = self._load(obj, symbol)  # another process may have written it meanwhile
+            if fn is not None:
+                return fn
+            _remove_stale_temps(folder, symbol)
+            compiled = self._compile_object(key)
+            self._write(compiled, obj, symbol)
+            return self._entry(compiled)
 
-    def _compile_and_publish(
-        self, key: CompileKey, lock_fd: int, lock_path: Path, obj: Path, symbol: str
-    ) -> Callable[..., Any]:
-        timeout = lock_timeout()
-        try:
-            locked = _flock_within(lock_fd, timeout)  # another process may be writing this key
-        except OSError as error:  # e.g. ENOLCK: a filesystem without flock
-            _disk_failure(obj.parent, "lock a key", error)
-            return self._compile(key)
-        if not locked:
-            _count(disk_lock_timeouts=1)
-            _warn_once(
-                (str(obj.parent), "lock timeout"),
-                f"cute_kernels: another process held {lock_path} for more than {timeout:g} s "
-                f"(stuck, or compiling slowly); compiling in memory only. Set "
-                f"{LOCK_TIMEOUT_ENV} to wait longer.",
-            )
-            return self._compile(key)
-        fn = self._load(obj, symbol)
-        if fn is not None:
-            return fn
-        _remove_stale_temps(obj.parent, symbol)
-        compiled = self._compile_object(key)
+    def _persist(self, key: CompileKey) -> None:
+        """Write ``key``, held in memory, to the disk cache if it is not there (see
+        :meth:`precompile`): this process's own compile of it, or a fresh one where it came
+        from a file since removed (a compile: strict mode refuses it)."""
+        symbol = symbol_name(self.family, key)
+        root = disk_cache_dir()
+        folder = None if root is None else _cache_folder(root)
+        if folder is None:
+            return
+        obj = folder / f"{symbol}.o"
+        if _verified(obj):
+            return
+        with _key_flock(folder, symbol) as locked:
+            if not locked or _verified(obj):
+                return
+            _remove_stale_temps(folder, symbol)
+            compiled = self._objects.get(key)
+            self._write(self._compile_object(key) if compiled is None else compiled, obj, symbol)
+
+    def _write(self, compiled: Any, obj: Path, symbol: str) -> None:
+        """Publish ``compiled`` as ``obj``; a disk that refuses it is reported, not raised (the
+        kernel is served from memory)."""
         try:
             self._publish(compiled, obj, symbol)
         except OSError as error:
             _disk_failure(obj.parent, "write a compiled object", error)
-        return self._entry(compiled)
 
     def _entry(self, compiled: Any) -> Callable[..., Any]:
         """What a call of a fresh compile runs: its bare TVM-FFI function, as a function
         loaded from the disk cache is (the compiled object's own ``__call__`` goes through the
-        DSL's Python keyword-argument wrapper first, ~1 µs a call), with the object kept
-        alive (it owns the code)."""
+        DSL's Python keyword-argument wrapper first, ~1 µs a call); the object, which owns
+        the code, stays alive in ``_objects``."""
         unwrap = getattr(compiled, "__tvm_ffi_object__", None)  # the DSL's kwargs class has it
         bare = unwrap() if callable(unwrap) else None
-        if bare is None:
-            return compiled
-        self._modules.append(compiled)
-        return bare
+        return compiled if bare is None else bare
 
     def _compile(self, key: CompileKey) -> Callable[..., Any]:
         return self._entry(self._compile_object(key))
@@ -555,30 +627,20 @@ class KernelCache:
         with _compile_lock:
             compiled = self._build(key)
         _count(compiles=1, compile_seconds=time.perf_counter() - start)
+        self._objects[key] = compiled
         return compiled
 
     def _load(self, obj: Path, symbol: str) -> Callable[..., Any] | None:
-        checksum = obj.with_suffix(".sha256")
-        try:
-            obj_stat = os.lstat(obj)
-            sum_stat = os.lstat(checksum)
-        except OSError:  # missing (an unreadable folder is reported by the lock step)
-            return None
-        if not (stat.S_ISREG(obj_stat.st_mode) and stat.S_ISREG(sum_stat.st_mode)):
-            return None  # something squats on the path; the publisher clears it under the lock
         start = time.perf_counter()
+        if not _verified(obj):
+            return None
         try:
-            if not _private_to_user(obj_stat):
-                raise ValueError("object writable by others")  # never run it: rebuild it
-            if _sha256_file(obj) != checksum.read_text().strip():
-                raise ValueError("checksum mismatch")
             import cutlass.cute as cute
 
             module = cute.runtime.load_module(str(obj), enable_tvm_ffi=True)
             fn = getattr(module, symbol)
-        except Exception:  # corrupt, truncated, stale or not private: drop it and rebuild
-            for path in (obj, checksum):
-                _unlink_quietly(path)
+        except Exception:  # corrupt, truncated or stale: drop it and rebuild
+            _drop(obj)
             return None
         self._modules.append(module)
         _count(disk_hits=1, disk_load_seconds=time.perf_counter() - start)

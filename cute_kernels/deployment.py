@@ -647,14 +647,15 @@ def _section_named(section: str) -> Iterator[None]:
 
 
 def build(keys: Sequence[tuple[str, CompileKey]], progress: bool | None = None) -> None:
-    """Load from the disk cache or compile each ``(family, key)``, with a progress bar
-    (``progress=None``: on a terminal only)."""
+    """Each ``(family, key)`` loaded from the disk cache or compiled, and on the disk
+    (:meth:`KernelCache.precompile`), with a progress bar (``progress=None``: on a terminal
+    only)."""
     caches = families()
     bar = tqdm(keys, desc="cute_kernels precompile", unit="variant",
                disable=None if progress is None else not progress)
     for family, key in bar:
         bar.set_postfix_str(family, refresh=False)
-        caches[family].get(key)
+        caches[family].precompile([key])
 
 
 # -- presets ------------------------------------------------------------------------------------

@@ -15,3 +15,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _forget_test_families():
+    """A ``KernelCache`` registers its family for the process's lifetime: those a test makes
+    are forgotten after it, so that later tests see only the package's families (the list
+    ``precompile`` names in its rejections)."""
+    from cute_kernels import compile_cache
+
+    families = dict(compile_cache._families)
+    yield
+    compile_cache._families.clear()
+    compile_cache._families.update(families)

@@ -44,9 +44,7 @@ def test_precompile_then_strict(monkeypatch, tmp_path):
     precompiled key from the disk in strict mode, and a key nobody precompiled raises."""
     monkeypatch.setenv("CUTE_KERNELS_CACHE_DIR", str(tmp_path))
     cache = compile_cache.families()["kv_rope_insert"]
-    # (each step from an empty memory: a key this process already holds is not looked up on
-    # the disk, so precompile would not write it there)
-    monkeypatch.setattr(cache, "_compiled", {})
+    # (keys this process already holds from other tests are written to the disk too)
     cute_kernels.precompile(arch="sm_100a", kernels=["kv_rope_insert"])
     monkeypatch.setattr(cache, "_compiled", {})  # a fresh process: nothing in memory
     stats = cute_kernels.cache_stats()
@@ -62,6 +60,31 @@ def test_precompile_then_strict(monkeypatch, tmp_path):
             cache.get(cache.variants("sm_90a")[0])  # not precompiled
     finally:
         cute_kernels.set_strict(False)
+
+
+def test_precompile_bakes_a_kernel_compiled_while_the_disk_cache_was_off(monkeypatch, tmp_path):
+    """A real compiled object held in memory only is exported by precompile, not compiled
+    again, and a process started after it loads every key from the disk."""
+    monkeypatch.setenv("CUTE_KERNELS_CACHE_DIR", str(tmp_path))
+    cache = compile_cache.families()["kv_rope_insert"]
+    keys = cache.variants("sm_90a")
+    monkeypatch.setattr(cache, "_compiled", {})
+    monkeypatch.setattr(cache, "_objects", {})
+    monkeypatch.setenv("CUTE_KERNELS_DISK_CACHE", "0")
+    cache.get(keys[0])
+    monkeypatch.delenv("CUTE_KERNELS_DISK_CACHE")
+    assert not any(tmp_path.rglob("*.o"))
+    before = cute_kernels.cache_stats()
+    cute_kernels.precompile(arch="sm_90a", kernels=["kv_rope_insert"])
+    baked = cute_kernels.cache_stats()
+    assert baked["compiles"] - before["compiles"] == len(keys) - 1  # the held one exported
+    assert len(list(tmp_path.rglob("*.o"))) == len(keys)
+    monkeypatch.setattr(cache, "_compiled", {})  # a fresh process
+    for key in keys:
+        cache.get(key)
+    after = cute_kernels.cache_stats()
+    assert after["compiles"] == baked["compiles"]
+    assert after["disk_hits"] - baked["disk_hits"] == len(keys)
 
 
 def test_precompile_rejects_unknown_arch():

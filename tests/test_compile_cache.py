@@ -169,4 +169,4 @@ def test_a_fresh_compile_is_called_through_its_bare_function(monkeypatch):
     cache = KernelCache("bare_test", _KwargsCompiled, lambda arch: [])
     fn = cache.get(("a", "sm_90a"))
     assert fn() == ("bare", ("a", "sm_90a"))
-    assert any(isinstance(m, _KwargsCompiled) for m in cache._modules)
+    assert isinstance(cache._objects[("a", "sm_90a")], _KwargsCompiled)

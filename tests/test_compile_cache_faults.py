@@ -233,6 +233,68 @@ def test_read_only_folder_without_the_object_compiles_in_memory(root, loaded):
     assert stats()["disk_write_errors"] == 1 and list(folder_of(root).iterdir()) == []
 
 
+# -- precompile writes what memory holds ----------------------------------------------------
+
+
+def fill_the_disk(self, path, function_name, export_only_tvm_ffi_symbols):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+@pytest.mark.parametrize("first_compile", ["disk full", "disk cache off"])
+def test_precompile_writes_a_key_this_process_holds_but_the_disk_lacks(root, loaded, monkeypatch,
+                                                                       first_compile):
+    """An image baked by a process that compiled a key while its disk could not take it: the
+    process's own compiled object is written, no second compile, and a fresh process loads
+    it."""
+    cache = new_cache()
+    with monkeypatch.context() as patch, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if first_compile == "disk full":
+            patch.setattr(FakeCompiled, "export_to_c", fill_the_disk)
+        else:
+            patch.setenv("CUTE_KERNELS_DISK_CACHE", "0")
+        assert cache.get(KEY)() == KEY
+    assert not object_path(root).exists() and stats()["compiles"] == 1
+
+    cache.precompile([KEY])
+    assert object_path(root).read_bytes() == f"object of {object_path(root).stem}".encode()
+    assert stats()["compiles"] == 1 and stats()["memory_hits"] == 1 and loaded == []
+    fresh = new_cache()  # another process
+    assert fresh.get(KEY)() == object_path(root).read_bytes()
+    assert loaded == [object_path(root)] and stats()["compiles"] == 1
+
+
+def test_precompile_leaves_a_key_on_the_disk_as_it_is(root, loaded):
+    cache = new_cache()
+    cache.get(KEY)  # compiles and publishes
+    before = os.lstat(object_path(root))
+    cache.precompile([KEY])
+    after = os.lstat(object_path(root))
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert stats()["compiles"] == 1 and loaded == []  # the file checked, not loaded
+
+
+def test_precompile_rebuilds_a_held_key_whose_file_was_removed(root, loaded):
+    """A key loaded from the disk has no compiled object in the process: with its file gone,
+    precompile compiles it again (strict mode refuses that compile)."""
+    new_cache().get(KEY)  # publishes
+    cache = new_cache()
+    cache.get(KEY)  # loaded
+    assert stats()["compiles"] == 1 and stats()["disk_hits"] == 1
+    for path in (object_path(root), object_path(root).with_suffix(".sha256")):
+        path.unlink()
+    compile_cache.set_strict(True)
+    try:
+        with pytest.raises(compile_cache.StrictModeError, match="precompile"):
+            cache.precompile([KEY])
+    finally:
+        compile_cache.set_strict(False)
+    assert not object_path(root).exists()
+    cache.precompile([KEY])
+    assert stats()["compiles"] == 2 and object_path(root).exists()
+    assert new_cache().get(KEY)() == object_path(root).read_bytes()
+
+
 # -- a lock holder that never lets go -------------------------------------------------------
 
 

@@ -448,9 +448,10 @@ def test_cli_in_process(capsys):
 # -- precompile(plan) -----------------------------------------------------------------------------
 
 
-def _record_gets(monkeypatch) -> list:
+def _record_precompiles(monkeypatch) -> list:
     built = []
-    monkeypatch.setattr(KernelCache, "get", lambda self, key: built.append((self.family, key)))
+    monkeypatch.setattr(KernelCache, "precompile",
+                        lambda self, keys: built.extend((self.family, key) for key in keys))
     return built
 
 
@@ -458,7 +459,7 @@ def _record_gets(monkeypatch) -> list:
                                             ("deepseek-v4-flash", "sm_90a"),
                                             ("qwen3-14b-dspark", "sm_90a")])
 def test_precompile_builds_exactly_the_plans_keys(monkeypatch, name, arch):
-    built = _record_gets(monkeypatch)
+    built = _record_precompiles(monkeypatch)
     p = plan(name, arch=arch, tp=4)
     cute_kernels.precompile(p)
     assert built == [(op, key) for op, keys in p.keys().items() for key in keys]
@@ -468,7 +469,7 @@ def test_precompile_builds_exactly_the_plans_keys(monkeypatch, name, arch):
 
 
 def test_precompile_plan_can_be_limited_to_families(monkeypatch):
-    built = _record_gets(monkeypatch)
+    built = _record_precompiles(monkeypatch)
     cute_kernels.precompile(plan("deepseek-v4-flash", arch="sm_90a"), kernels=["compress_c128"])
     assert [family for family, _ in built] == ["compress_c128"] * 6  # 3 formats x 2 cores
 
