@@ -489,7 +489,7 @@ def _key_flock(folder: Path, symbol: str) -> Iterator[bool]:
                 _warn_once(
                     (str(folder), "lock timeout"),
                     f"cute_kernels: another process held {lock_path} for more than {timeout:g} "
-                    f"s (stuck, or compiling slowly); compiling in memory only. Set "
+                    f"s (stuck, or compiling slowly); keeping its kernels in memory only. Set "
                     f"{LOCK_TIMEOUT_ENV} to wait longer.",
                 )
         yield locked
@@ -536,7 +536,8 @@ class KernelCache:
         """Each key in memory and, where the disk cache is on, on the disk: a key this process
         already holds (compiled while the disk cache was off, full or elsewhere, or its file
         removed since) is written there too, so that a process started after it loads every key
-        precompiled (an image baked after the process's own calls holds them all)."""
+        precompiled (an image baked after the process's own calls holds them all). In strict
+        mode a key whose file was removed stays off the disk (writing it needs a compile)."""
         for key in keys:
             if key not in self._compiled:
                 self.get(key)
@@ -581,7 +582,8 @@ class KernelCache:
     def _persist(self, key: CompileKey) -> None:
         """Write ``key``, held in memory, to the disk cache if it is not there (see
         :meth:`precompile`): this process's own compile of it, or a fresh one where it came
-        from a file since removed (a compile: strict mode refuses it)."""
+        from a file since removed; strict mode forbids that compile, and the key, served from
+        memory, is then left off the disk."""
         symbol = symbol_name(self.family, key)
         root = disk_cache_dir()
         folder = None if root is None else _cache_folder(root)
@@ -595,7 +597,11 @@ class KernelCache:
                 return
             _remove_stale_temps(folder, symbol)
             compiled = self._objects.get(key)
-            self._write(self._compile_object(key) if compiled is None else compiled, obj, symbol)
+            if compiled is None:
+                if _strict:
+                    return
+                compiled = self._compile_object(key)
+            self._write(compiled, obj, symbol)
 
     def _write(self, compiled: Any, obj: Path, symbol: str) -> None:
         """Publish ``compiled`` as ``obj``; a disk that refuses it is reported, not raised (the

@@ -47,6 +47,7 @@ def test_precompile_then_strict(monkeypatch, tmp_path):
     # (keys this process already holds from other tests are written to the disk too)
     cute_kernels.precompile(arch="sm_100a", kernels=["kv_rope_insert"])
     monkeypatch.setattr(cache, "_compiled", {})  # a fresh process: nothing in memory
+    monkeypatch.setattr(cache, "_objects", {})
     stats = cute_kernels.cache_stats()
     cute_kernels.set_strict(True)
     try:
@@ -80,6 +81,7 @@ def test_precompile_bakes_a_kernel_compiled_while_the_disk_cache_was_off(monkeyp
     assert baked["compiles"] - before["compiles"] == len(keys) - 1  # the held one exported
     assert len(list(tmp_path.rglob("*.o"))) == len(keys)
     monkeypatch.setattr(cache, "_compiled", {})  # a fresh process
+    monkeypatch.setattr(cache, "_objects", {})
     for key in keys:
         cache.get(key)
     after = cute_kernels.cache_stats()
