@@ -482,16 +482,16 @@ def _key_flock(folder: Path, symbol: str) -> Iterator[bool]:
             locked = _flock_within(lock_fd, timeout)  # another process may be writing this key
         except OSError as error:  # e.g. ENOLCK: a filesystem without flock
             _disk_failure(folder, "lock a key", error)
-            locked = False
-        else:
-            if not locked:
-                _count(disk_lock_timeouts=1)
-                _warn_once(
-                    (str(folder), "lock timeout"),
-                    f"cute_kernels: another process held {lock_path} for more than {timeout:g} "
-                    f"s (stuck, or compiling slowly); keeping its kernels in memory only. Set "
-                    f"{LOCK_TIMEOUT_ENV} to wait longer.",
-                )
+            yield False
+            return
+        if not locked:
+            _count(disk_lock_timeouts=1)
+            _warn_once(
+                (str(folder), "lock timeout"),
+                f"cute_kernels: another process held {lock_path} for more than {timeout:g} s "
+                f"(stuck, or compiling slowly); keeping its kernels in memory only. Set "
+                f"{LOCK_TIMEOUT_ENV} to wait longer.",
+            )
         yield locked
     finally:
         os.close(lock_fd)  # releases the flock
@@ -558,13 +558,17 @@ class KernelCache:
 
     # -- levels below L1 -------------------------------------------------------------------
 
-    def _load_or_compile(self, key: CompileKey) -> Callable[..., Any]:
-        symbol = symbol_name(self.family, key)
+    def _object_path(self, key: CompileKey) -> Path | None:
+        """Where ``key``'s compiled object lives (None: no usable disk cache)."""
         root = disk_cache_dir()
         folder = None if root is None else _cache_folder(root)
-        if folder is None:
+        return None if folder is None else folder / f"{symbol_name(self.family, key)}.o"
+
+    def _load_or_compile(self, key: CompileKey) -> Callable[..., Any]:
+        obj = self._object_path(key)
+        if obj is None:
             return self._compile(key)
-        obj = folder / f"{symbol}.o"
+        folder, symbol = obj.parent, obj.stem
         fn = self._load(obj, symbol)
         if fn is not None:
             return fn
@@ -584,14 +588,10 @@ class KernelCache:
         :meth:`precompile`): this process's own compile of it, or a fresh one where it came
         from a file since removed; strict mode forbids that compile, and the key, served from
         memory, is then left off the disk."""
-        symbol = symbol_name(self.family, key)
-        root = disk_cache_dir()
-        folder = None if root is None else _cache_folder(root)
-        if folder is None:
+        obj = self._object_path(key)
+        if obj is None or _verified(obj):
             return
-        obj = folder / f"{symbol}.o"
-        if _verified(obj):
-            return
+        folder, symbol = obj.parent, obj.stem
         with _key_flock(folder, symbol) as locked:
             if not locked or _verified(obj):
                 return

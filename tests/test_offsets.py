@@ -95,8 +95,11 @@ def test_moved_argument_is_named_or_accepted(op, place):
         assert not misaligned, f"a {moved.element_size()}-byte offset was accepted"
 
 
-def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+def _storage_bytes(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t``'s storage as bytes: those before its first element, and the rest."""
+    whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    first = t.storage_offset() * t.element_size()
+    return whole[:first], whole[first:]
 
 
 def _outputs(args: tuple, outputs: tuple[int, ...]) -> list[torch.Tensor]:
@@ -106,7 +109,7 @@ def _outputs(args: tuple, outputs: tuple[int, ...]) -> list[torch.Tensor]:
     flat = []
     for i in outputs:
         flat += list(args[i]) if isinstance(args[i], (list, tuple)) else [args[i]]
-    return [_storage_bytes(t)[t.storage_offset() * t.element_size():].clone() for t in flat]
+    return [_storage_bytes(t)[1].clone() for t in flat]
 
 
 def _moved_output_head(args: tuple, place: tuple[int, int | None],
@@ -116,7 +119,7 @@ def _moved_output_head(args: tuple, place: tuple[int, int | None],
     if place[0] not in outputs:
         return None
     t = args[place[0]] if place[1] is None else args[place[0]][place[1]]
-    return _storage_bytes(t)[:t.storage_offset() * t.element_size()].clone()
+    return _storage_bytes(t)[0].clone()
 
 
 @pytest.mark.gpu
