@@ -28,3 +28,17 @@ def _forget_test_families():
     yield
     compile_cache._families.clear()
     compile_cache._families.update(families)
+
+
+@pytest.fixture
+def empty_memory(monkeypatch):
+    """A function that empties a ``KernelCache``'s memory for the rest of the test, as a fresh
+    process has it: its entry functions and the compiled objects that own their code, always
+    together (a compile with only the functions emptied would replace, and free, the object
+    whose function the memory restored after the test points at)."""
+
+    def empty(cache) -> None:
+        monkeypatch.setattr(cache, "_compiled", {})
+        monkeypatch.setattr(cache, "_objects", {})
+
+    return empty

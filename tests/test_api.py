@@ -39,15 +39,14 @@ def test_kv_rope_insert_argument_order_matches_vllm():
         "fp8_scale", "kv_mxfp8"]
 
 
-def test_precompile_then_strict(monkeypatch, tmp_path):
+def test_precompile_then_strict(monkeypatch, tmp_path, empty_memory):
     """A process that starts from a precompiled disk cache (its memory empty) gets every
     precompiled key from the disk in strict mode, and a key nobody precompiled raises."""
     monkeypatch.setenv("CUTE_KERNELS_CACHE_DIR", str(tmp_path))
     cache = compile_cache.families()["kv_rope_insert"]
     # (keys this process already holds from other tests are written to the disk too)
     cute_kernels.precompile(arch="sm_100a", kernels=["kv_rope_insert"])
-    monkeypatch.setattr(cache, "_compiled", {})  # a fresh process: nothing in memory
-    monkeypatch.setattr(cache, "_objects", {})
+    empty_memory(cache)  # a fresh process: nothing in memory
     stats = cute_kernels.cache_stats()
     cute_kernels.set_strict(True)
     try:
@@ -63,14 +62,14 @@ def test_precompile_then_strict(monkeypatch, tmp_path):
         cute_kernels.set_strict(False)
 
 
-def test_precompile_bakes_a_kernel_compiled_while_the_disk_cache_was_off(monkeypatch, tmp_path):
+def test_precompile_bakes_a_kernel_compiled_while_the_disk_cache_was_off(monkeypatch, tmp_path,
+                                                                         empty_memory):
     """A real compiled object held in memory only is exported by precompile, not compiled
     again, and a process started after it loads every key from the disk."""
     monkeypatch.setenv("CUTE_KERNELS_CACHE_DIR", str(tmp_path))
     cache = compile_cache.families()["kv_rope_insert"]
     keys = cache.variants("sm_90a")
-    monkeypatch.setattr(cache, "_compiled", {})
-    monkeypatch.setattr(cache, "_objects", {})
+    empty_memory(cache)
     monkeypatch.setenv("CUTE_KERNELS_DISK_CACHE", "0")
     cache.get(keys[0])
     monkeypatch.delenv("CUTE_KERNELS_DISK_CACHE")
@@ -80,8 +79,7 @@ def test_precompile_bakes_a_kernel_compiled_while_the_disk_cache_was_off(monkeyp
     baked = cute_kernels.cache_stats()
     assert baked["compiles"] - before["compiles"] == len(keys) - 1  # the held one exported
     assert len(list(tmp_path.rglob("*.o"))) == len(keys)
-    monkeypatch.setattr(cache, "_compiled", {})  # a fresh process
-    monkeypatch.setattr(cache, "_objects", {})
+    empty_memory(cache)  # a fresh process
     for key in keys:
         cache.get(key)
     after = cute_kernels.cache_stats()

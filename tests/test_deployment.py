@@ -482,10 +482,9 @@ def _tiny(tmp_path) -> str:
     return str(path)
 
 
-def test_precompile_plan_then_strict(monkeypatch, tmp_path):
+def test_precompile_plan_then_strict(monkeypatch, tmp_path, empty_memory):
     monkeypatch.setenv("CUTE_KERNELS_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(KV_KERNELS, "_compiled", {})  # nothing in memory from other tests
-    monkeypatch.setattr(KV_KERNELS, "_objects", {})
+    empty_memory(KV_KERNELS)  # nothing in memory from other tests
     p = plan(_tiny(tmp_path))
     (key,) = p.keys()["kv_rope_insert"]
     assert key == KvRopeInsertKey(CacheFormat.BF16, "sm_90a")
